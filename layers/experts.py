@@ -1,0 +1,86 @@
+"""Feed-forward networks: stacked routed experts (one grouped GEMM), the dense FFN, shared experts.
+
+Legend: R rows (token copies sorted by expert), E experts on this module, D model dim,
+F hidden dim per expert, T tokens.
+
+SwiGLU keeps the gate and up projections fused in one weight (`w_in`, last dim 2F: gate first,
+then up) so each expert costs two GEMMs, not three.
+"""
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from .grouped_mm import grouped_mm
+
+__all__ = ["ACTIVATIONS", "GroupedExperts", "FeedForward", "SharedExperts"]
+
+ACTIVATIONS = ("swiglu", "gelu")
+
+
+def _activate(h, activation: str):
+    if activation == "swiglu":
+        gate, up = h.chunk(2, dim=-1)
+        return F.silu(gate) * up
+    return F.gelu(h)
+
+
+def _in_features(ffn_dim: int, activation: str) -> int:
+    return 2 * ffn_dim if activation == "swiglu" else ffn_dim
+
+
+class GroupedExperts(nn.Module):
+    """E experts with weights stacked on dim 0: `w_in_EDH` [E, D, 2F or F], `w_out_EFD` [E, F, D].
+
+    forward(x_RD, rows_per_expert) runs expert e on its contiguous block of rows; no Python loop
+    over experts. Expert parallelism shards dim 0 (each rank holds its local experts).
+    """
+
+    def __init__(self, num_experts: int, dim: int, ffn_dim: int, activation: str = "swiglu",
+                 init_std: float = 0.02, out_init_std: float | None = None):
+        super().__init__()
+        self.num_experts, self.activation = num_experts, activation
+        self.w_in_EDH = nn.Parameter(torch.empty(num_experts, dim, _in_features(ffn_dim, activation)))
+        self.w_out_EFD = nn.Parameter(torch.empty(num_experts, ffn_dim, dim))
+        nn.init.normal_(self.w_in_EDH, std=init_std)
+        nn.init.normal_(self.w_out_EFD, std=out_init_std or init_std)
+
+    def forward(self, x_RD, rows_per_expert: list[int]):
+        offs_E = torch.tensor(rows_per_expert, device=x_RD.device).cumsum(0).to(torch.int32)
+        h_RH = grouped_mm(x_RD, self.w_in_EDH, rows_per_expert, offs_E)
+        return grouped_mm(_activate(h_RH, self.activation), self.w_out_EFD, rows_per_expert, offs_E)
+
+
+class FeedForward(nn.Module):
+    """The dense FFN (the dense layers of the model, and the shared experts)."""
+
+    def __init__(self, dim: int, ffn_dim: int, activation: str = "swiglu",
+                 init_std: float = 0.02, out_init_std: float | None = None):
+        super().__init__()
+        self.activation = activation
+        self.w_in = nn.Linear(dim, _in_features(ffn_dim, activation), bias=False)
+        self.w_out = nn.Linear(ffn_dim, dim, bias=False)
+        nn.init.normal_(self.w_in.weight, std=init_std)
+        nn.init.normal_(self.w_out.weight, std=out_init_std or init_std)
+
+    def forward(self, x):
+        return self.w_out(_activate(self.w_in(x), self.activation))
+
+
+class SharedExperts(nn.Module):
+    """Always-on experts (DeepSeek/Qwen2-MoE): one FFN of num_shared * ffn_dim hidden units,
+    optionally scaled per token by sigmoid(x @ gate) as in Qwen2-MoE."""
+
+    def __init__(self, dim: int, ffn_dim: int, activation: str = "swiglu", gated: bool = False,
+                 init_std: float = 0.02, out_init_std: float | None = None):
+        super().__init__()
+        self.ffn = FeedForward(dim, ffn_dim, activation, init_std, out_init_std)
+        self.gate = nn.Linear(dim, 1, bias=False) if gated else None
+        if self.gate is not None:
+            nn.init.normal_(self.gate.weight, std=init_std)
+
+    def forward(self, x_TD):
+        y_TD = self.ffn(x_TD)
+        if self.gate is not None:
+            y_TD = torch.sigmoid(self.gate(x_TD)) * y_TD
+        return y_TD

@@ -1,0 +1,72 @@
+"""Grouped GEMM over contiguous row groups: the one wrapper around the private `torch._grouped_mm`.
+
+Legend: R rows (tokens sorted by expert), G groups (experts), I input features, O output features.
+
+`torch._grouped_mm` is private API, so it is used here only: it runs all groups in one call (no
+Python loop over experts) for the dtypes and devices it supports, with its own autograd formula.
+Where it does not run (float64, older torch, devices without a kernel) a padded batched GEMM gives
+the same result: rows are scattered into a [G, max_rows, I] buffer, one `bmm`, gathered back.
+The choice is probed once per (device type, dtype) and cached, never re-decided inside the math.
+"""
+
+import functools
+
+import torch
+
+__all__ = ["grouped_mm", "grouped_mm_backend"]
+
+
+@functools.lru_cache(maxsize=None)
+def _native_runs(device_type: str, dtype: torch.dtype) -> bool:
+    """True if `torch._grouped_mm` runs forward and backward here (probed on a 2-group toy)."""
+    if not hasattr(torch, "_grouped_mm"):
+        return False
+    try:
+        x_RI = torch.ones(16, 16, dtype=dtype, device=device_type, requires_grad=True)
+        w_GIO = torch.ones(2, 16, 16, dtype=dtype, device=device_type, requires_grad=True)
+        offs = torch.tensor([8, 16], dtype=torch.int32, device=device_type)
+        y_RO = torch._grouped_mm(x_RI, w_GIO, offs=offs)
+        y_RO.backward(torch.ones_like(y_RO))
+        return bool(torch.allclose(y_RO.detach().float(), torch.full_like(y_RO, 16.0).float()))
+    except (RuntimeError, NotImplementedError, TypeError):
+        return False
+
+
+def grouped_mm_backend(device_type: str, dtype: torch.dtype) -> str:
+    """'native' when torch._grouped_mm runs for this device type and dtype, else 'padded'."""
+    return "native" if _native_runs(device_type, dtype) else "padded"
+
+
+def _padded_mm(x_RI, w_GIO, rows_per_group: list[int]):
+    num_groups = len(rows_per_group)
+    max_rows = max(rows_per_group) if rows_per_group else 0
+    counts_G = torch.tensor(rows_per_group, device=x_RI.device)
+    group_R = torch.repeat_interleave(torch.arange(num_groups, device=x_RI.device), counts_G,
+                                      output_size=x_RI.shape[0])
+    starts_G = torch.cumsum(counts_G, 0) - counts_G
+    slot_R = group_R * max_rows + torch.arange(x_RI.shape[0], device=x_RI.device) - starts_G[group_R]
+    buf_SI = x_RI.new_zeros(num_groups * max_rows, x_RI.shape[1])
+    buf_SI = buf_SI.index_copy(0, slot_R, x_RI)
+    y_GMO = torch.bmm(buf_SI.view(num_groups, max_rows, -1), w_GIO)
+    return y_GMO.reshape(num_groups * max_rows, -1)[slot_R]
+
+
+def grouped_mm(x_RI: torch.Tensor, w_GIO: torch.Tensor, rows_per_group: list[int],
+               offs_G: torch.Tensor | None = None) -> torch.Tensor:
+    """y[rows of group g] = x[rows of group g] @ w[g]; rows are contiguous per group, in group order.
+
+    `rows_per_group` is a host list (the dispatcher's one sync); `offs_G` is its int32 cumulative
+    sum on the device, passed in so several GEMMs of one layer build it once.
+    """
+    if x_RI.shape[0] == 0:
+        # No rows: keep the weight in the graph so its gradient is a real zero, not None.
+        return x_RI.new_zeros(0, w_GIO.shape[-1]) + 0.0 * w_GIO.sum()
+    if torch.is_autocast_enabled(x_RI.device.type):
+        # autocast does not cover the private op: cast to the autocast dtype as F.linear would.
+        dtype = torch.get_autocast_dtype(x_RI.device.type)
+        x_RI, w_GIO = x_RI.to(dtype), w_GIO.to(dtype)
+    if _native_runs(x_RI.device.type, x_RI.dtype):
+        if offs_G is None:
+            offs_G = torch.tensor(rows_per_group, device=x_RI.device).cumsum(0).to(torch.int32)
+        return torch._grouped_mm(x_RI, w_GIO, offs=offs_G)
+    return _padded_mm(x_RI, w_GIO, rows_per_group)

@@ -1,0 +1,201 @@
+"""A decoder-only MoE language model: embedding, blocks of (attention, dense FFN or MoE), head.
+
+Legend: B batch (sequences), S sequence length, D model dim, H query heads, G key/value heads,
+Hd head dim, V vocabulary.
+
+Blocks are pre-norm: h = x + attn(norm(x)); out = h + ffn(norm(h)). Attention is causal with
+rotary position embeddings (rotate-half convention, as Llama/Mixtral/Qwen) and grouped-query heads
+through SDPA. A layer is MoE when its index i >= first_k_dense and (i - first_k_dense) % moe_every == 0.
+"""
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from .experts import ACTIVATIONS, FeedForward
+from .moe import MoE
+from .router import RouterConfig
+
+__all__ = ["ModelConfig", "Transformer", "Attention", "RMSNorm", "Block"]
+
+
+@dataclass
+class ModelConfig:
+    """Model shape; the `[model]` section of a run config."""
+    vocab_size: int = 256
+    dim: int = 128
+    num_layers: int = 4
+    num_heads: int = 4
+    num_kv_heads: int = 2
+    head_dim: int = 0              # 0: dim // num_heads
+    ffn_dim: int = 512             # hidden size of dense FFN layers
+    moe_ffn_dim: int = 256         # hidden size of each routed expert
+    num_experts: int = 8
+    top_k: int = 2
+    first_k_dense: int = 0         # the first k layers are dense
+    moe_every: int = 1             # after those, every n-th layer is MoE
+    num_shared_experts: int = 0
+    shared_ffn_dim: int = 0        # 0: moe_ffn_dim
+    shared_gate: bool = False      # Qwen2-MoE sigmoid gate on the shared experts
+    activation: str = "swiglu"
+    tie_embeddings: bool = False
+    max_seq_len: int = 256
+    rope_theta: float = 10000.0
+    norm_eps: float = 1e-5
+    init_std: float = 0.02
+
+    def __post_init__(self):
+        for name in ("vocab_size", "dim", "num_layers", "num_heads", "num_kv_heads", "ffn_dim",
+                     "moe_ffn_dim", "num_experts", "top_k", "moe_every", "max_seq_len"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"model.{name}={getattr(self, name)} must be >= 1")
+        for name in ("head_dim", "first_k_dense", "num_shared_experts", "shared_ffn_dim"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"model.{name}={getattr(self, name)} must be >= 0")
+        if self.activation not in ACTIVATIONS:
+            raise ValueError(f"model.activation={self.activation!r} is not one of {ACTIVATIONS}")
+        if not self.head_dim and self.dim % self.num_heads:
+            raise ValueError(f"model.dim={self.dim} must be divisible by model.num_heads="
+                             f"{self.num_heads} (or set model.head_dim)")
+        if self.num_heads % self.num_kv_heads:
+            raise ValueError(f"model.num_heads={self.num_heads} must be divisible by "
+                             f"model.num_kv_heads={self.num_kv_heads}")
+        if self.top_k > self.num_experts:
+            raise ValueError(f"model.top_k={self.top_k} must be <= model.num_experts={self.num_experts}")
+        if self.head_dim_resolved % 2:
+            raise ValueError(f"head dim {self.head_dim_resolved} must be even for rotary embeddings")
+
+    @property
+    def head_dim_resolved(self) -> int:
+        return self.head_dim or self.dim // self.num_heads
+
+    def is_moe_layer(self, i: int) -> bool:
+        return i >= self.first_k_dense and (i - self.first_k_dense) % self.moe_every == 0
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x):
+        return F.rms_norm(x, (x.shape[-1],), self.weight, self.eps)
+
+
+def rotary_tables(seq_len: int, head_dim: int, theta: float, dtype=torch.float32):
+    """cos, sin of shape [S, Hd] for the rotate-half convention (frequencies repeated twice)."""
+    inv_freq = 1.0 / theta ** (torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim)
+    angles_SF = torch.outer(torch.arange(seq_len, dtype=torch.float64), inv_freq)
+    angles_SHd = torch.cat([angles_SF, angles_SF], dim=-1)
+    return angles_SHd.cos().to(dtype), angles_SHd.sin().to(dtype)
+
+
+def apply_rotary(x_BHSd, cos_SHd, sin_SHd):
+    x1, x2 = x_BHSd.chunk(2, dim=-1)
+    rotated = torch.cat([-x2, x1], dim=-1)
+    return x_BHSd * cos_SHd.to(x_BHSd.dtype) + rotated * sin_SHd.to(x_BHSd.dtype)
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg: ModelConfig, out_init_std: float):
+        super().__init__()
+        hd = cfg.head_dim_resolved
+        self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_heads, cfg.num_kv_heads, hd
+        self.q_proj = nn.Linear(cfg.dim, cfg.num_heads * hd, bias=False)
+        self.k_proj = nn.Linear(cfg.dim, cfg.num_kv_heads * hd, bias=False)
+        self.v_proj = nn.Linear(cfg.dim, cfg.num_kv_heads * hd, bias=False)
+        self.o_proj = nn.Linear(cfg.num_heads * hd, cfg.dim, bias=False)
+        for lin in (self.q_proj, self.k_proj, self.v_proj):
+            nn.init.normal_(lin.weight, std=cfg.init_std)
+        nn.init.normal_(self.o_proj.weight, std=out_init_std)
+
+    def forward(self, x_BSD, cos_SHd, sin_SHd):
+        batch, seq, _ = x_BSD.shape
+        q_BHSd = self.q_proj(x_BSD).view(batch, seq, -1, self.head_dim).transpose(1, 2)
+        k_BGSd = self.k_proj(x_BSD).view(batch, seq, -1, self.head_dim).transpose(1, 2)
+        v_BGSd = self.v_proj(x_BSD).view(batch, seq, -1, self.head_dim).transpose(1, 2)
+        q_BHSd = apply_rotary(q_BHSd, cos_SHd, sin_SHd)
+        k_BGSd = apply_rotary(k_BGSd, cos_SHd, sin_SHd)
+        o_BHSd = F.scaled_dot_product_attention(
+            q_BHSd, k_BGSd, v_BGSd, is_causal=True,
+            enable_gqa=self.num_kv_heads != self.num_heads)
+        return self.o_proj(o_BHSd.transpose(1, 2).reshape(batch, seq, -1))
+
+
+class Block(nn.Module):
+    """One pre-norm decoder block; `ffn` is a FeedForward or a MoE (fixed at build time)."""
+
+    def __init__(self, cfg: ModelConfig, router: RouterConfig, layer_id: int):
+        super().__init__()
+        out_std = cfg.init_std / (2 * cfg.num_layers) ** 0.5
+        self.layer_id = layer_id
+        self.attn_norm = RMSNorm(cfg.dim, cfg.norm_eps)
+        self.attn = Attention(cfg, out_std)
+        self.ffn_norm = RMSNorm(cfg.dim, cfg.norm_eps)
+        self.is_moe = cfg.is_moe_layer(layer_id)
+        if self.is_moe:
+            self.ffn = MoE(cfg.dim, cfg.moe_ffn_dim, cfg.num_experts, cfg.top_k,
+                           activation=cfg.activation, num_shared_experts=cfg.num_shared_experts,
+                           shared_ffn_dim=cfg.shared_ffn_dim or None, shared_gate=cfg.shared_gate,
+                           router=router, aux_loss_scale=1.0, init_std=cfg.init_std,
+                           out_init_std=out_std)
+        else:
+            self.ffn = FeedForward(cfg.dim, cfg.ffn_dim, cfg.activation, cfg.init_std, out_std)
+
+    def forward(self, x_BSD, cos_SHd, sin_SHd):
+        """Returns (x_BSD, moe_output or None)."""
+        h_BSD = x_BSD + self.attn(self.attn_norm(x_BSD), cos_SHd, sin_SHd)
+        if self.is_moe:
+            moe_out = self.ffn(self.ffn_norm(h_BSD))
+            return h_BSD + moe_out.y, moe_out
+        return h_BSD + self.ffn(self.ffn_norm(h_BSD)), None
+
+
+class Transformer(nn.Module):
+    """forward(tokens_BS) -> (logits_BSV, [MoEOutput per MoE layer, in layer order]).
+
+    MoE layers inject their aux losses into backward with scale `aux_loss_scale` (set it to the
+    weight the caller gives each micro-batch's loss, e.g. 1/num_micro_batches).
+    """
+
+    def __init__(self, cfg: ModelConfig, router: RouterConfig | None = None):
+        super().__init__()
+        router = router or RouterConfig()
+        router.check_experts(cfg.num_experts, cfg.top_k)
+        self.cfg = cfg
+        self.embed = nn.Embedding(cfg.vocab_size, cfg.dim)
+        nn.init.normal_(self.embed.weight, std=cfg.init_std)
+        self.layers = nn.ModuleList(Block(cfg, router, i) for i in range(cfg.num_layers))
+        self.norm = RMSNorm(cfg.dim, cfg.norm_eps)
+        self.head = None
+        if not cfg.tie_embeddings:
+            self.head = nn.Linear(cfg.dim, cfg.vocab_size, bias=False)
+            nn.init.normal_(self.head.weight, std=cfg.init_std)
+        cos, sin = rotary_tables(cfg.max_seq_len, cfg.head_dim_resolved, cfg.rope_theta)
+        self.register_buffer("rope_cos", cos, persistent=False)
+        self.register_buffer("rope_sin", sin, persistent=False)
+
+    def moe_layers(self) -> list[MoE]:
+        return [block.ffn for block in self.layers if block.is_moe]
+
+    def set_aux_loss_scale(self, scale: float):
+        for moe in self.moe_layers():
+            moe.aux_loss_scale = scale
+
+    def forward(self, tokens_BS):
+        seq = tokens_BS.shape[1]
+        if seq > self.cfg.max_seq_len:
+            raise ValueError(f"sequence length {seq} exceeds model.max_seq_len={self.cfg.max_seq_len}")
+        x_BSD = self.embed(tokens_BS)
+        cos, sin = self.rope_cos[:seq], self.rope_sin[:seq]
+        moe_outputs = []
+        for block in self.layers:
+            x_BSD, moe_out = block(x_BSD, cos, sin)
+            if moe_out is not None:
+                moe_outputs.append(moe_out)
+        x_BSD = self.norm(x_BSD)
+        weight = self.embed.weight if self.head is None else self.head.weight
+        return F.linear(x_BSD, weight), moe_outputs

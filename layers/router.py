@@ -1,0 +1,264 @@
+"""Routers: which expert each token copy goes to, with what weight, and the balance losses.
+
+Legend: T tokens in one capacity group (one micro-batch), E experts, K experts per token,
+B sequences, S tokens per sequence, N token copies (assignments), C capacity per expert.
+
+Both routers return the same flat form, `Routing(token_N, expert_N, weight_N)`: assignment n reads
+token `token_N[n]`, goes to expert `expert_N[n]` (or to `E`, meaning dropped, never sent), and is
+combined with `weight_N[n]`. Top-k routing has N = T*K in token-major order; expert-choice routing
+has N = E*C in expert-major order. Scores, softmax and losses are computed in float32 (float64 when
+the input is float64), whatever the autocast dtype.
+"""
+
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+__all__ = ["RouterConfig", "Routing", "RouterLosses", "RoutingStats", "TopKRouter",
+           "ExpertChoiceRouter", "build_router", "capacity", "switch_balance_loss",
+           "sequence_balance_loss", "z_loss"]
+
+_ROUTER_TYPES = ("topk", "expert_choice")
+_SCORE_FUNCS = ("softmax", "sigmoid")
+_DROP_POLICIES = ("probs", "position")
+
+
+@dataclass
+class RouterConfig:
+    """Router settings; the `[router]` section of a run config."""
+    type: str = "topk"                 # "topk" (token choice) or "expert_choice"
+    score_func: str = "softmax"        # "softmax" or "sigmoid"
+    norm_topk_prob: bool = False       # renormalise the K chosen weights to sum to 1
+    routed_scaling_factor: float = 1.0 # multiplies the combine weights (DeepSeek-V3)
+    n_group: int = 1                   # expert groups for group-limited routing (DeepSeek-V3)
+    topk_group: int = 1                # groups each token may pick experts from
+    capacity_factor: float | None = None  # None: dropless; else C = ceil(T*K*cf/E) per group
+    drop_policy: str = "probs"         # over capacity, keep highest "probs" or earliest "position"
+    balance_coeff: float = 0.01        # Switch/GShard loss over the micro-batch
+    seq_balance_coeff: float = 0.0     # the same loss per sequence, averaged (DeepSeek-V3)
+    z_coeff: float = 0.0               # mean squared logsumexp of the router logits
+    bias_update_rate: float = 0.0      # aux-loss-free balancing: bias += rate * sign(mean - load)
+
+    def __post_init__(self):
+        _check_choice("router.type", self.type, _ROUTER_TYPES)
+        _check_choice("router.score_func", self.score_func, _SCORE_FUNCS)
+        _check_choice("router.drop_policy", self.drop_policy, _DROP_POLICIES)
+        if self.n_group < 1 or self.topk_group < 1 or self.topk_group > self.n_group:
+            raise ValueError(f"router.topk_group={self.topk_group} must be in [1, router.n_group="
+                             f"{self.n_group}] and router.n_group >= 1")
+        if self.capacity_factor is not None and not self.capacity_factor > 0:
+            raise ValueError(f"router.capacity_factor={self.capacity_factor} must be > 0, or "
+                             "none for dropless routing")
+        if self.type == "expert_choice" and self.capacity_factor is None:
+            raise ValueError("router.type='expert_choice' needs router.capacity_factor > 0 "
+                             "(each expert picks C = ceil(T*K*cf/E) tokens)")
+        for name in ("balance_coeff", "seq_balance_coeff", "z_coeff", "bias_update_rate"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"router.{name}={getattr(self, name)} must be >= 0")
+        if self.routed_scaling_factor <= 0:
+            raise ValueError(f"router.routed_scaling_factor={self.routed_scaling_factor} must be > 0")
+
+    def check_experts(self, num_experts: int, top_k: int):
+        """Checks that need the model's expert counts; raises naming both sides."""
+        if num_experts % self.n_group:
+            raise ValueError(f"model.num_experts={num_experts} must be divisible by "
+                             f"router.n_group={self.n_group}")
+        per_group = num_experts // self.n_group
+        if self.n_group > 1 and top_k > self.topk_group * per_group:
+            raise ValueError(f"model.top_k={top_k} exceeds the experts reachable in "
+                             f"router.topk_group={self.topk_group} groups of {per_group}")
+        if not 1 <= top_k <= num_experts:
+            raise ValueError(f"model.top_k={top_k} must be in [1, model.num_experts={num_experts}]")
+
+
+def _check_choice(name, value, allowed):
+    if value not in allowed:
+        raise ValueError(f"{name}={value!r} is not one of {', '.join(map(repr, allowed))}")
+
+
+@dataclass(frozen=True)
+class Routing:
+    token_N: torch.Tensor   # int64, the token each assignment reads
+    expert_N: torch.Tensor  # int64, its expert; num_experts marks a dropped assignment
+    weight_N: torch.Tensor  # float32/64, combine weight; carries the router's gradient
+
+
+@dataclass(frozen=True)
+class RouterLosses:
+    total: torch.Tensor        # coefficient-weighted sum; the one that is back-propagated
+    balance: torch.Tensor      # unweighted values, detached, for logging
+    seq_balance: torch.Tensor
+    z: torch.Tensor
+
+
+@dataclass(frozen=True)
+class RoutingStats:
+    tokens_per_expert_E: torch.Tensor  # routed copies per expert before drops (float, detached)
+    num_dropped: torch.Tensor          # dropped assignments (top-k) or unchosen tokens (expert choice)
+    num_assignments: int               # T*K (top-k) or T (expert choice): drop fraction's denominator
+
+
+def capacity(num_tokens: int, top_k: int, capacity_factor: float, num_experts: int) -> int:
+    """Expert capacity for one group: ceil(tokens * k * capacity_factor / experts)."""
+    return math.ceil(num_tokens * top_k * capacity_factor / num_experts)
+
+
+def switch_balance_loss(probs_TE, experts_TK):
+    """Switch/GShard loss E * sum_e f_e * P_e over the group; 1.0 when perfectly balanced.
+
+    f_e = share of the T*K routed copies sent to e (before drops), P_e = mean probability of e.
+    """
+    num_tokens, num_experts = probs_TE.shape
+    counts_E = torch.bincount(experts_TK.flatten(), minlength=num_experts).to(probs_TE.dtype)
+    f_E = counts_E / experts_TK.numel()
+    return num_experts * torch.sum(f_E * probs_TE.mean(0))
+
+
+def sequence_balance_loss(probs_BSE, experts_BSK):
+    """The Switch loss computed within each sequence and averaged over sequences."""
+    num_seqs, seq_len, num_experts = probs_BSE.shape
+    counts_BE = torch.zeros(num_seqs, num_experts, dtype=probs_BSE.dtype, device=probs_BSE.device)
+    counts_BE.scatter_add_(1, experts_BSK.reshape(num_seqs, -1),
+                           torch.ones_like(experts_BSK.reshape(num_seqs, -1), dtype=probs_BSE.dtype))
+    f_BE = counts_BE / experts_BSK[0].numel()
+    return num_experts * torch.sum(f_BE * probs_BSE.mean(1), dim=1).mean()
+
+
+def z_loss(logits_TE):
+    """Mean over tokens of logsumexp(logits)^2 (ST-MoE): keeps router logits small."""
+    return torch.logsumexp(logits_TE, dim=-1).square().mean()
+
+
+class _RouterBase(nn.Module):
+    def __init__(self, dim: int, num_experts: int, top_k: int, cfg: RouterConfig):
+        super().__init__()
+        cfg.check_experts(num_experts, top_k)
+        self.num_experts, self.top_k, self.cfg = num_experts, top_k, cfg
+        self.weight = nn.Parameter(torch.empty(num_experts, dim))
+        nn.init.normal_(self.weight, std=0.02)
+
+    def logits(self, x_TD):
+        # Router maths never runs below float32: cast up, and keep autocast out of it.
+        dtype = torch.promote_types(x_TD.dtype, torch.float32)
+        with torch.autocast(x_TD.device.type, enabled=False):
+            return F.linear(x_TD.to(dtype), self.weight.to(dtype))
+
+    def scores(self, logits_TE):
+        if self.cfg.score_func == "softmax":
+            return torch.softmax(logits_TE, dim=-1)
+        return torch.sigmoid(logits_TE)
+
+
+class TopKRouter(_RouterBase):
+    """Token choice: each token picks its K best experts (optionally within its best groups).
+
+    `expert_bias_E` (aux-loss-free balancing) shifts which experts are selected but never the
+    weights; `update_bias` moves it by the sign rule from one step's load.
+    """
+
+    def __init__(self, dim: int, num_experts: int, top_k: int, cfg: RouterConfig):
+        super().__init__(dim, num_experts, top_k, cfg)
+        self.register_buffer("expert_bias_E", torch.zeros(num_experts, dtype=torch.float32))
+
+    def select(self, scores_TE):
+        """Top-k expert ids per token, chosen on scores + bias within the best topk_group groups."""
+        choice_TE = scores_TE + self.expert_bias_E.to(scores_TE.dtype)
+        n_group = self.cfg.n_group
+        if n_group > 1:
+            num_tokens = choice_TE.shape[0]
+            choice_TGe = choice_TE.view(num_tokens, n_group, -1)
+            # DeepSeek-V3: a group's score is the sum of its two best experts.
+            top2 = min(2, choice_TGe.shape[-1])
+            group_scores_TG = choice_TGe.topk(top2, dim=-1).values.sum(-1)
+            best_groups = group_scores_TG.topk(self.cfg.topk_group, dim=-1).indices
+            keep_TG = torch.zeros_like(group_scores_TG, dtype=torch.bool).scatter_(1, best_groups, True)
+            choice_TE = choice_TGe.masked_fill(~keep_TG[..., None], float("-inf")).view(num_tokens, -1)
+        return choice_TE.topk(self.top_k, dim=-1).indices
+
+    def forward(self, x_TD, seq_len: int | None = None):
+        """Returns (Routing, RouterLosses, RoutingStats) for one capacity group of T tokens."""
+        cfg, num_tokens = self.cfg, x_TD.shape[0]
+        logits_TE = self.logits(x_TD)
+        scores_TE = self.scores(logits_TE)
+        experts_TK = self.select(scores_TE.detach())
+        weights_TK = scores_TE.gather(1, experts_TK)
+        if cfg.norm_topk_prob:
+            weights_TK = weights_TK / (weights_TK.sum(-1, keepdim=True) + 1e-20)
+        weights_TK = weights_TK * cfg.routed_scaling_factor
+
+        # Balance losses see a distribution over experts; sigmoid scores are normalised for them.
+        probs_TE = scores_TE if cfg.score_func == "softmax" else scores_TE / (
+            scores_TE.sum(-1, keepdim=True) + 1e-20)
+        seq_len = seq_len or num_tokens
+        balance = switch_balance_loss(probs_TE, experts_TK)
+        seq_balance = sequence_balance_loss(probs_TE.view(-1, seq_len, self.num_experts),
+                                            experts_TK.view(-1, seq_len, self.top_k))
+        z = z_loss(logits_TE)
+        total = cfg.balance_coeff * balance + cfg.seq_balance_coeff * seq_balance + cfg.z_coeff * z
+        losses = RouterLosses(total, balance.detach(), seq_balance.detach(), z.detach())
+
+        expert_N = experts_TK.flatten()
+        weight_N = weights_TK.flatten()
+        if cfg.capacity_factor is not None:
+            cap = capacity(num_tokens, self.top_k, cfg.capacity_factor, self.num_experts)
+            keep_N = self._within_capacity(expert_N, weight_N.detach(), cap)
+            expert_N = torch.where(keep_N, expert_N, self.num_experts)
+        token_N = torch.arange(num_tokens, device=x_TD.device).repeat_interleave(self.top_k)
+        counts_E = torch.bincount(experts_TK.flatten(), minlength=self.num_experts)
+        stats = RoutingStats(counts_E.to(torch.float32), (expert_N == self.num_experts).sum(),
+                             expert_N.numel())
+        return Routing(token_N, expert_N, weight_N), losses, stats
+
+    def _within_capacity(self, expert_N, weight_N, cap: int):
+        """True for the assignments each expert keeps: its `cap` best by the drop policy."""
+        num_assign = expert_N.numel()
+        if self.cfg.drop_policy == "probs":
+            priority_N = torch.argsort(weight_N, descending=True, stable=True)
+        else:  # position: earlier tokens first
+            priority_N = torch.arange(num_assign, device=expert_N.device)
+        expert_sorted, idx = torch.sort(expert_N[priority_N], stable=True)
+        order_N = priority_N[idx]
+        counts_E = torch.bincount(expert_N, minlength=self.num_experts)
+        starts_E = torch.cumsum(counts_E, 0) - counts_E
+        rank_N = torch.empty_like(expert_N)
+        rank_N[order_N] = torch.arange(num_assign, device=expert_N.device) - starts_E[expert_sorted]
+        return rank_N < cap
+
+    @torch.no_grad()
+    def update_bias(self, tokens_per_expert_E: torch.Tensor):
+        """Aux-loss-free balancing (DeepSeek-V3): raise under-loaded experts, lower over-loaded."""
+        load_E = tokens_per_expert_E.to(self.expert_bias_E)
+        self.expert_bias_E += self.cfg.bias_update_rate * torch.sign(load_E.mean() - load_E)
+
+
+class ExpertChoiceRouter(_RouterBase):
+    """Expert choice (Zhou et al. 2022): each expert picks its C best tokens by softmax score.
+
+    Balanced by construction (every expert gets exactly C tokens); a token may get 0..E experts.
+    C = ceil(T*K*cf/E), capped at T. `num_dropped` counts tokens no expert picked.
+    """
+
+    def forward(self, x_TD, seq_len: int | None = None):
+        num_tokens = x_TD.shape[0]
+        logits_TE = self.logits(x_TD)
+        scores_TE = torch.softmax(logits_TE, dim=-1)
+        cap = min(num_tokens, capacity(num_tokens, self.top_k, self.cfg.capacity_factor,
+                                       self.num_experts))
+        weight_EC, token_EC = scores_TE.t().topk(cap, dim=-1)
+        z = z_loss(logits_TE)
+        zero = z.new_zeros(())
+        losses = RouterLosses(self.cfg.z_coeff * z, zero, zero, z.detach())
+        expert_N = torch.arange(self.num_experts, device=x_TD.device).repeat_interleave(cap)
+        chosen_T = torch.zeros(num_tokens, dtype=torch.bool, device=x_TD.device)
+        chosen_T[token_EC.flatten()] = True
+        stats = RoutingStats(torch.full((self.num_experts,), float(cap), device=x_TD.device),
+                             (~chosen_T).sum(), num_tokens)
+        return Routing(token_EC.flatten(), expert_N, weight_EC.flatten()), losses, stats
+
+
+def build_router(dim: int, num_experts: int, top_k: int, cfg: RouterConfig) -> nn.Module:
+    cls = TopKRouter if cfg.type == "topk" else ExpertChoiceRouter
+    return cls(dim, num_experts, top_k, cfg)

@@ -1,0 +1,273 @@
+"""Run configuration: nested dataclasses loaded from TOML, overridden by `--section.key=value`.
+
+Every section validates itself in `__post_init__`; `RunConfig` adds the checks that span sections.
+All of it runs before any model, process group or file is created, so a bad config costs nothing.
+The model and router sections are the dataclasses `moepar.layers` builds from.
+"""
+
+import dataclasses
+import os
+import tomllib
+import types
+import typing
+from dataclasses import dataclass, field
+
+from moepar.layers.model import ModelConfig
+from moepar.layers.router import RouterConfig
+from moepar.parallel import check_layout
+
+__all__ = ["RunConfig", "ParallelConfig", "TrainConfig", "DataConfig", "OutputConfig",
+           "load_config", "parse_overrides", "to_toml", "to_dict"]
+
+DTYPES = ("float32", "bfloat16", "float64")
+DATA_SOURCES = ("builtin", "text", "tokens")
+TOKEN_DTYPES = ("uint8", "uint16", "int32", "int64")
+
+
+@dataclass
+class ParallelConfig:
+    """Degrees of each parallelism; their product is the world size."""
+    dp: int = 1
+    tp: int = 1
+    pp: int = 1
+    ep: int = 1
+    zero: int = 0    # ZeRO stage 0..3
+
+    def __post_init__(self):
+        for name in ("dp", "tp", "pp", "ep"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"parallel.{name}={getattr(self, name)} must be >= 1")
+        if self.zero not in (0, 1, 2, 3):
+            raise ValueError(f"parallel.zero={self.zero} is not one of 0, 1, 2, 3")
+
+
+@dataclass
+class TrainConfig:
+    steps: int = 200
+    micro_batch_size: int = 8      # sequences per forward/backward (and per capacity group)
+    global_batch_size: int = 16    # sequences per optimizer step
+    seq_len: int = 128
+    lr: float = 3e-3
+    min_lr_ratio: float = 0.1      # cosine decays to lr * min_lr_ratio
+    warmup_steps: int = 20
+    weight_decay: float = 0.1
+    beta1: float = 0.9
+    beta2: float = 0.95
+    eps: float = 1e-8
+    grad_clip: float = 1.0         # max global grad norm; 0 disables clipping
+    dtype: str = "float32"         # float32, bfloat16 (autocast), float64 (exact-numerics tests)
+    activation_checkpointing: bool = False
+    seed: int = 0
+    on_nonfinite: str = "skip"     # NaN/Inf loss or grad norm: "skip" the step or "stop" the run
+
+    def __post_init__(self):
+        for name in ("steps", "micro_batch_size", "global_batch_size", "seq_len"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"train.{name}={getattr(self, name)} must be >= 1")
+        if self.global_batch_size % self.micro_batch_size:
+            raise ValueError(f"train.global_batch_size={self.global_batch_size} must be a multiple "
+                             f"of train.micro_batch_size={self.micro_batch_size}")
+        if self.dtype not in DTYPES:
+            raise ValueError(f"train.dtype={self.dtype!r} is not one of {DTYPES}")
+        if self.on_nonfinite not in ("skip", "stop"):
+            raise ValueError(f"train.on_nonfinite={self.on_nonfinite!r} is not one of 'skip', 'stop'")
+        if not self.lr > 0 or not 0 <= self.min_lr_ratio <= 1:
+            raise ValueError(f"train.lr={self.lr} must be > 0 and train.min_lr_ratio="
+                             f"{self.min_lr_ratio} in [0, 1]")
+        for name in ("warmup_steps", "weight_decay", "grad_clip", "eps"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"train.{name}={getattr(self, name)} must be >= 0")
+        for name in ("beta1", "beta2"):
+            if not 0 <= getattr(self, name) < 1:
+                raise ValueError(f"train.{name}={getattr(self, name)} must be in [0, 1)")
+
+    @property
+    def num_micro_batches(self) -> int:
+        return self.global_batch_size // self.micro_batch_size
+
+
+@dataclass
+class DataConfig:
+    source: str = "builtin"   # builtin (Python's own docs, no download), text (a UTF-8 file), tokens
+    path: str = ""            # for text and tokens: the file (tokens: raw array or .npy, memory-mapped)
+    token_dtype: str = "uint16"  # for raw token files
+
+    def __post_init__(self):
+        if self.source not in DATA_SOURCES:
+            raise ValueError(f"data.source={self.source!r} is not one of {DATA_SOURCES}")
+        if self.token_dtype not in TOKEN_DTYPES:
+            raise ValueError(f"data.token_dtype={self.token_dtype!r} is not one of {TOKEN_DTYPES}")
+        if self.source != "builtin":
+            if not self.path:
+                raise ValueError(f"data.source={self.source!r} needs data.path")
+            if not os.path.isfile(self.path):
+                raise ValueError(f"data.path={self.path!r} is not a file")
+
+
+@dataclass
+class OutputConfig:
+    """The `[run]` section: where the run lives and how often it reports and saves."""
+    dir: str = "runs/tiny"
+    log_every: int = 10
+    checkpoint_every: int = 100   # steps; the last step is always saved; 0 saves only the last
+    keep_checkpoints: int = 2     # newest complete checkpoints kept; 0 keeps all
+    resume: bool = False          # continue from the newest checkpoint in dir/checkpoints
+    resume_from: str = ""         # or from this checkpoint directory
+    overwrite: bool = False       # allow a fresh run in a dir that already holds checkpoints
+    tensorboard: bool = True
+
+    def __post_init__(self):
+        if not self.dir:
+            raise ValueError("run.dir must not be empty")
+        for name in ("log_every", "checkpoint_every", "keep_checkpoints"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"run.{name}={getattr(self, name)} must be >= 0")
+        if self.resume_from and not os.path.isdir(self.resume_from):
+            raise ValueError(f"run.resume_from={self.resume_from!r} is not a directory")
+
+
+@dataclass
+class RunConfig:
+    model: ModelConfig = field(default_factory=ModelConfig)
+    router: RouterConfig = field(default_factory=RouterConfig)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    run: OutputConfig = field(default_factory=OutputConfig)
+
+    def __post_init__(self):
+        check_layout(self.parallel)
+        self.router.check_experts(self.model.num_experts, self.model.top_k)
+        if self.train.seq_len > self.model.max_seq_len:
+            raise ValueError(f"train.seq_len={self.train.seq_len} exceeds model.max_seq_len="
+                             f"{self.model.max_seq_len}")
+        if self.data.source in ("builtin", "text") and self.model.vocab_size < 256:
+            raise ValueError(f"model.vocab_size={self.model.vocab_size} must be >= 256 for the "
+                             f"byte-level tokenizer (data.source={self.data.source!r})")
+
+
+# ---- loading -------------------------------------------------------------------------------
+
+def _section_types(cls) -> dict[str, type]:
+    return typing.get_type_hints(cls)
+
+
+def _convert(key: str, value, hint):
+    """Converts a TOML or command-line value to the field's type, or raises naming the key."""
+    allowed_none = False
+    if isinstance(hint, types.UnionType) or typing.get_origin(hint) is typing.Union:
+        args = [a for a in typing.get_args(hint) if a is not type(None)]
+        allowed_none, hint = len(args) < len(typing.get_args(hint)), args[0]
+    if allowed_none and (value is None or (isinstance(value, str) and value.lower() == "none")):
+        return None
+    try:
+        if hint is bool:
+            if isinstance(value, bool):
+                return value
+            if isinstance(value, str) and value.lower() in ("true", "false", "1", "0"):
+                return value.lower() in ("true", "1")
+            raise ValueError
+        if hint is int:
+            if isinstance(value, bool) or (isinstance(value, float) and not value.is_integer()):
+                raise ValueError
+            return int(value)
+        if hint is float:
+            if isinstance(value, bool):
+                raise ValueError
+            return float(value)
+        if hint is str:
+            if not isinstance(value, (str, int, float)) or isinstance(value, bool):
+                raise ValueError
+            return str(value)
+    except (TypeError, ValueError):
+        pass
+    kind = hint.__name__ + (" or none" if allowed_none else "")
+    raise ValueError(f"{key}={value!r} is not a valid {kind}")
+
+
+def _build(tree: dict, source: str) -> RunConfig:
+    sections = {f.name: f.type for f in dataclasses.fields(RunConfig)}
+    hints = typing.get_type_hints(RunConfig)
+    built = {}
+    for name, values in tree.items():
+        if name not in sections:
+            raise ValueError(f"{source}: unknown config section [{name}]; allowed: "
+                             f"{', '.join(sections)}")
+        if not isinstance(values, dict):
+            raise ValueError(f"{source}: [{name}] must be a table of key = value")
+        cls = hints[name]
+        field_hints = _section_types(cls)
+        kwargs = {}
+        for key, value in values.items():
+            if key not in field_hints:
+                raise ValueError(f"{source}: unknown config key '{name}.{key}'; allowed keys in "
+                                 f"[{name}]: {', '.join(field_hints)}")
+            kwargs[key] = _convert(f"{name}.{key}", value, field_hints[key])
+        built[name] = cls(**kwargs)
+    return RunConfig(**built)
+
+
+def parse_overrides(args: list[str]) -> dict:
+    """['--model.dim=64', '--train.steps', '5'] -> {'model': {'dim': '64'}, 'train': {'steps': '5'}}."""
+    tree: dict = {}
+    i = 0
+    while i < len(args):
+        arg = args[i]
+        if not arg.startswith("--") or "." not in arg.split("=", 1)[0]:
+            raise ValueError(f"override {arg!r} is not of the form --section.key=value")
+        if "=" in arg:
+            path, value = arg[2:].split("=", 1)
+        elif i + 1 < len(args):
+            path, value = arg[2:], args[i + 1]
+            i += 1
+        else:
+            raise ValueError(f"override {arg!r} has no value")
+        section, key = path.split(".", 1)
+        tree.setdefault(section, {})[key] = value
+        i += 1
+    return tree
+
+
+def load_config(path: str | None = None, overrides: list[str] = ()) -> RunConfig:
+    """Reads TOML (if given), applies overrides, and validates everything. Raises ValueError."""
+    tree: dict = {}
+    if path:
+        try:
+            with open(path, "rb") as f:
+                tree = tomllib.load(f)
+        except FileNotFoundError:
+            raise ValueError(f"config file {path!r} does not exist") from None
+        except tomllib.TOMLDecodeError as e:
+            raise ValueError(f"config file {path!r} is not valid TOML: {e}") from None
+    for section, values in parse_overrides(list(overrides)).items():
+        if not isinstance(tree.get(section, {}), dict):
+            raise ValueError(f"[{section}] must be a table")
+        tree.setdefault(section, {}).update(values)
+    try:
+        return _build(tree, path or "config")
+    except ValueError as e:
+        raise ValueError(str(e)) from None
+
+
+def to_dict(cfg: RunConfig) -> dict:
+    return dataclasses.asdict(cfg)
+
+
+def _toml_value(value) -> str:
+    if value is None:
+        return '"none"'
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, str):
+        return '"' + value.replace("\\", "\\\\").replace('"', '\\"') + '"'
+    return repr(value)
+
+
+def to_toml(cfg: RunConfig) -> str:
+    """The resolved config as TOML that `load_config` reads back to an equal config."""
+    lines = []
+    for section, values in to_dict(cfg).items():
+        lines.append(f"[{section}]")
+        lines += [f"{key} = {_toml_value(value)}" for key, value in values.items()]
+        lines.append("")
+    return "\n".join(lines)

@@ -1,0 +1,188 @@
+"""The training loop: micro-batches, gradient accumulation, clipping, AdamW, logging, checkpoints.
+
+One optimizer step = `train.global_batch_size / train.micro_batch_size` micro-batches. Each
+micro-batch's mean cross-entropy is weighted 1/num_micro_batches, and MoE aux losses are injected
+into backward with the same weight, so accumulation equals one big batch of capacity groups.
+"""
+
+import contextlib
+import math
+import os
+import shutil
+import time
+
+import torch
+import torch.nn.functional as F
+
+from moepar.checkpoint import complete_steps, latest_checkpoint, load_checkpoint, save_checkpoint
+from moepar.config import RunConfig, to_dict, to_toml
+from moepar.data import WindowSampler, load_tokens
+from moepar.layers import TopKRouter, Transformer
+from moepar.metrics import MetricsWriter, StepStats
+from moepar.parallel import parallelize
+
+__all__ = ["Trainer", "lr_at", "NonFiniteError"]
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.float32, "float64": torch.float64}
+
+
+class NonFiniteError(RuntimeError):
+    """Raised with train.on_nonfinite='stop' when a step's loss or grad norm is NaN or Inf."""
+
+
+def lr_at(step: int, cfg) -> float:
+    """Learning rate for 1-based `step`: linear warmup to train.lr, then cosine to lr*min_lr_ratio."""
+    if step <= cfg.warmup_steps:
+        return cfg.lr * step / cfg.warmup_steps
+    decay_steps = max(cfg.steps - cfg.warmup_steps, 1)
+    progress = min((step - cfg.warmup_steps) / decay_steps, 1.0)
+    floor = cfg.lr * cfg.min_lr_ratio
+    return floor + (cfg.lr - floor) * 0.5 * (1 + math.cos(math.pi * progress))
+
+
+def build_optimizer(model, cfg):
+    """AdamW; weight decay on matrices (and expert stacks), none on norm weights."""
+    decay = [p for p in model.parameters() if p.dim() >= 2]
+    no_decay = [p for p in model.parameters() if p.dim() < 2]
+    groups = [{"params": decay, "weight_decay": cfg.weight_decay},
+              {"params": no_decay, "weight_decay": 0.0}]
+    return torch.optim.AdamW(groups, lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), eps=cfg.eps,
+                             foreach=True)
+
+
+class Trainer:
+    """Builds the model, data and optimizer from a validated RunConfig; `run()` trains."""
+
+    def __init__(self, cfg: RunConfig, log=print):
+        self.cfg, self.log = cfg, log
+        tcfg = cfg.train
+        self.ckpt_root = os.path.join(cfg.run.dir, "checkpoints")
+        resume_path = self._resume_path()
+        torch.manual_seed(tcfg.seed)
+        self.model = Transformer(cfg.model, cfg.router).to(_DTYPES[tcfg.dtype])
+        parallelize(self.model, cfg.parallel, tcfg.activation_checkpointing)
+        self.model.set_aux_loss_scale(1.0 / tcfg.num_micro_batches)
+        self.optimizer = build_optimizer(self.model, tcfg)
+        self.sampler = WindowSampler(load_tokens(cfg.data), tcfg.seq_len, tcfg.micro_batch_size,
+                                     tcfg.seed, cfg.model.vocab_size, name=f"data.source={cfg.data.source}")
+        self.step = 0
+        if resume_path:
+            state = load_checkpoint(resume_path, self.model, self.optimizer)
+            self.step, self.sampler.position = state["step"], state["data_position"]
+            self.log(f"resumed from {resume_path} at step {self.step}")
+
+    def _resume_path(self) -> str | None:
+        """The checkpoint to resume from, or None; refuses to clobber an earlier run by accident."""
+        run = self.cfg.run
+        if run.resume_from:
+            return run.resume_from
+        existing = complete_steps(self.ckpt_root)
+        if run.resume:
+            return latest_checkpoint(self.ckpt_root)  # none yet: a fresh start
+        if existing and not run.overwrite:
+            raise ValueError(f"run.dir={run.dir!r} already holds checkpoints (steps {existing}); "
+                             "pass --run.resume=true to continue it, --run.overwrite=true to "
+                             "replace it, or choose another run.dir")
+        if existing:
+            shutil.rmtree(self.ckpt_root)
+        return None
+
+    def _autocast(self):
+        if self.cfg.train.dtype == "bfloat16":
+            return torch.autocast("cpu" if not torch.cuda.is_available() else "cuda",
+                                  dtype=torch.bfloat16)
+        return contextlib.nullcontext()
+
+    def _micro_batch(self, inputs_BS, targets_BS, stats: StepStats):
+        with self._autocast():
+            logits_BSV, moe_outputs = self.model(inputs_BS)
+        logits_BSV = logits_BSV.to(torch.promote_types(logits_BSV.dtype, torch.float32))
+        loss = F.cross_entropy(logits_BSV.flatten(0, 1), targets_BS.flatten())
+        (loss / self.cfg.train.num_micro_batches).backward()
+        stats.add(moe_outputs, self.cfg.router)
+        return loss.detach()
+
+    def train_step(self) -> dict:
+        """One optimizer step over num_micro_batches micro-batches; returns its metrics record."""
+        tcfg, model = self.cfg.train, self.model
+        start = time.perf_counter()
+        stats = StepStats(len(model.moe_layers()), self.cfg.model.num_experts)
+        loss_sum = torch.zeros((), dtype=torch.float64)
+        for _ in range(tcfg.num_micro_batches):
+            loss_sum += self._micro_batch(*self.sampler.next(), stats)
+        max_norm = tcfg.grad_clip if tcfg.grad_clip > 0 else float("inf")
+        grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm, foreach=True)
+        loss = float(loss_sum) / tcfg.num_micro_batches
+        grad_norm = float(grad_norm)
+        self.step += 1
+        lr = lr_at(self.step, tcfg)
+        skipped = not (math.isfinite(loss) and math.isfinite(grad_norm))
+        if skipped:
+            self.optimizer.zero_grad(set_to_none=True)
+            message = (f"step {self.step}: non-finite loss={loss} or grad_norm={grad_norm}; "
+                       f"{'stopping' if tcfg.on_nonfinite == 'stop' else 'step skipped'}, "
+                       "parameters unchanged")
+            self.log(message)
+            if tcfg.on_nonfinite == "stop":
+                raise NonFiniteError(message)
+        else:
+            for group in self.optimizer.param_groups:
+                group["lr"] = lr
+            self.optimizer.step()
+            self.optimizer.zero_grad(set_to_none=True)
+            self._update_expert_bias(stats)
+        elapsed = time.perf_counter() - start
+        tokens = tcfg.global_batch_size * tcfg.seq_len
+        record = {"step": self.step, "loss": loss, **stats.summary(), "grad_norm": grad_norm,
+                  "lr": lr, "tokens_per_s": tokens / elapsed, "skipped": skipped}
+        self.last_stats = stats
+        return record
+
+    def _update_expert_bias(self, stats: StepStats):
+        for layer, moe in enumerate(self.model.moe_layers()):
+            router = moe.router
+            if isinstance(router, TopKRouter) and router.cfg.bias_update_rate > 0:
+                router.update_bias(stats.tokens_LE[layer])
+
+    def expert_bias_LE(self):
+        routers = [m.router for m in self.model.moe_layers() if isinstance(m.router, TopKRouter)]
+        if not routers or self.cfg.router.bias_update_rate == 0:
+            return None
+        return torch.stack([r.expert_bias_E for r in routers])
+
+    def save(self) -> str:
+        state = {"step": self.step, "data_position": self.sampler.position, "config": to_dict(self.cfg)}
+        return save_checkpoint(self.ckpt_root, self.step, self.model, self.optimizer, state,
+                               keep=self.cfg.run.keep_checkpoints)
+
+    def run(self) -> list[dict]:
+        """Trains to train.steps, logging and checkpointing; returns this call's records."""
+        cfg = self.cfg
+        os.makedirs(cfg.run.dir, exist_ok=True)
+        with open(os.path.join(cfg.run.dir, "config.toml"), "w") as f:
+            f.write(to_toml(cfg))
+        writer = MetricsWriter(cfg.run.dir, cfg.run.tensorboard, resume_step=self.step)
+        records = []
+        try:
+            while self.step < cfg.train.steps:
+                record = self.train_step()
+                records.append(record)
+                writer.write(record, self.last_stats, self.expert_bias_LE())
+                if cfg.run.log_every and (self.step % cfg.run.log_every == 0 or self.step == 1
+                                          or self.step == cfg.train.steps):
+                    self.log(progress_line(record, cfg.train.steps))
+                every = cfg.run.checkpoint_every
+                if self.step == cfg.train.steps or (every and self.step % every == 0):
+                    path = self.save()
+                    if self.step == cfg.train.steps:
+                        self.log(f"saved {path}")
+        finally:
+            writer.close()
+        return records
+
+
+def progress_line(r: dict, total_steps: int) -> str:
+    return (f"step {r['step']:>5}/{total_steps} | loss {r['loss']:.4f} | aux {r['aux_loss']:.4f} | "
+            f"z {r['z_loss']:.2e} | gnorm {r['grad_norm']:.3f} | lr {r['lr']:.2e} | "
+            f"{r['tokens_per_s'] / 1000:.1f}k tok/s | load max/mean {r['max_load_ratio']:.2f} | "
+            f"drop {100 * r['drop_fraction']:.1f}%")
