@@ -18,22 +18,28 @@ __all__ = ["grouped_mm", "grouped_mm_backend"]
 
 @functools.lru_cache(maxsize=None)
 def _native_runs(device_type: str, dtype: torch.dtype) -> bool:
-    """True if `torch._grouped_mm` runs forward and backward here (probed on a 2-group toy)."""
+    """True if `torch._grouped_mm` runs here, probed on a 2-group toy in the two forms autograd uses.
+
+    The probe runs under no_grad with autocast off: it is first called inside a forward (maybe
+    under activation checkpointing), and must leave no trace in that graph.
+    """
     if not hasattr(torch, "_grouped_mm"):
         return False
     try:
-        x_RI = torch.ones(16, 16, dtype=dtype, device=device_type, requires_grad=True)
-        w_GIO = torch.ones(2, 16, 16, dtype=dtype, device=device_type, requires_grad=True)
-        offs = torch.tensor([8, 16], dtype=torch.int32, device=device_type)
-        y_RO = torch._grouped_mm(x_RI, w_GIO, offs=offs)
-        y_RO.backward(torch.ones_like(y_RO))
-        return bool(torch.allclose(y_RO.detach().float(), torch.full_like(y_RO, 16.0).float()))
+        with torch.no_grad(), torch.autocast(device_type, enabled=False):
+            x_RI = torch.ones(16, 16, dtype=dtype, device=device_type)
+            w_GIO = torch.ones(2, 16, 16, dtype=dtype, device=device_type)
+            offs = torch.tensor([8, 16], dtype=torch.int32, device=device_type)
+            y_RO = torch._grouped_mm(x_RI, w_GIO, offs=offs)          # forward, grad of x
+            dw_GIO = torch._grouped_mm(x_RI.t(), y_RO, offs=offs)     # grad of w
+            return bool((y_RO == 16).all() and (dw_GIO == 128).all())
     except (RuntimeError, NotImplementedError, TypeError):
         return False
 
 
 def grouped_mm_backend(device_type: str, dtype: torch.dtype) -> str:
-    """'native' when torch._grouped_mm runs for this device type and dtype, else 'padded'."""
+    """'native' when torch._grouped_mm runs for this device type and dtype (and dims whose rows
+    are 16-byte aligned), else 'padded'."""
     return "native" if _native_runs(device_type, dtype) else "padded"
 
 
@@ -58,15 +64,26 @@ def grouped_mm(x_RI: torch.Tensor, w_GIO: torch.Tensor, rows_per_group: list[int
     `rows_per_group` is a host list (the dispatcher's one sync); `offs_G` is its int32 cumulative
     sum on the device, passed in so several GEMMs of one layer build it once.
     """
-    if x_RI.shape[0] == 0:
-        # No rows: keep the weight in the graph so its gradient is a real zero, not None.
-        return x_RI.new_zeros(0, w_GIO.shape[-1]) + 0.0 * w_GIO.sum()
     if torch.is_autocast_enabled(x_RI.device.type):
         # autocast does not cover the private op: cast to the autocast dtype as F.linear would.
         dtype = torch.get_autocast_dtype(x_RI.device.type)
         x_RI, w_GIO = x_RI.to(dtype), w_GIO.to(dtype)
-    if _native_runs(x_RI.device.type, x_RI.dtype):
+    if x_RI.shape[0] == 0:
+        # No rows: keep the weight in the graph so its gradient is a real zero, not None.
+        return x_RI.new_zeros(0, w_GIO.shape[-1]) + 0.0 * w_GIO.sum()
+    if _native_fits(x_RI, w_GIO):
         if offs_G is None:
             offs_G = torch.tensor(rows_per_group, device=x_RI.device).cumsum(0).to(torch.int32)
-        return torch._grouped_mm(x_RI, w_GIO, offs=offs_G)
+        y_RO = torch._grouped_mm(x_RI, w_GIO, offs=offs_G)
+        if y_RO.requires_grad:
+            # The kernel's backward rejects stride-0 gradients (as from y.sum()): densify them.
+            y_RO.register_hook(torch.Tensor.contiguous)
+        return y_RO
     return _padded_mm(x_RI, w_GIO, rows_per_group)
+
+
+def _native_fits(x_RI, w_GIO) -> bool:
+    """The kernel needs 16-byte aligned row strides for every operand it sees, backward included."""
+    itemsize = x_RI.element_size()
+    aligned = all(n * itemsize % 16 == 0 for n in (x_RI.shape[1], w_GIO.shape[-1]))
+    return aligned and _native_runs(x_RI.device.type, x_RI.dtype)

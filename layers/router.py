@@ -11,6 +11,7 @@ the input is float64), whatever the autocast dtype.
 """
 
 import math
+from fractions import Fraction
 from dataclasses import dataclass
 
 import torch
@@ -102,8 +103,12 @@ class RoutingStats:
 
 
 def capacity(num_tokens: int, top_k: int, capacity_factor: float, num_experts: int) -> int:
-    """Expert capacity for one group: ceil(tokens * k * capacity_factor / experts)."""
-    return math.ceil(num_tokens * top_k * capacity_factor / num_experts)
+    """Expert capacity for one group: ceil(tokens * k * capacity_factor / experts).
+
+    Exact in decimal: 100 tokens at factor 1.1 over 10 experts is 11, not ceil(110.00000000000001).
+    """
+    factor = Fraction(repr(float(capacity_factor)))
+    return math.ceil(Fraction(num_tokens * top_k) * factor / num_experts)
 
 
 def switch_balance_loss(probs_TE, experts_TK):

@@ -6,6 +6,7 @@ The model and router sections are the dataclasses `moepar.layers` builds from.
 """
 
 import dataclasses
+import json
 import os
 import tomllib
 import types
@@ -217,7 +218,7 @@ def parse_overrides(args: list[str]) -> dict:
             raise ValueError(f"override {arg!r} is not of the form --section.key=value")
         if "=" in arg:
             path, value = arg[2:].split("=", 1)
-        elif i + 1 < len(args):
+        elif i + 1 < len(args) and not args[i + 1].startswith("--"):
             path, value = arg[2:], args[i + 1]
             i += 1
         else:
@@ -259,7 +260,8 @@ def _toml_value(value) -> str:
     if isinstance(value, bool):
         return "true" if value else "false"
     if isinstance(value, str):
-        return '"' + value.replace("\\", "\\\\").replace('"', '\\"') + '"'
+        # JSON's string escapes are TOML basic-string escapes (control characters as \\uXXXX).
+        return json.dumps(value, ensure_ascii=False).replace("\x7f", "\\u007f")
     return repr(value)
 
 
