@@ -1,11 +1,17 @@
 """The local token dispatcher: sort token copies by expert, and weight and sum the results back.
 
-Legend: T tokens, D model dim, N assignments (token copies), R rows kept (N minus drops), E experts.
+Legend: T tokens, D model dim, N assignments (token copies), R rows kept (N minus drops),
+E experts, K slots per token (token-choice routing).
 
 This is the seam between single-device maths and communication: an expert-parallel dispatcher
 (in `moepar.parallel`) has the same two methods. `dispatch` returns a frozen plan that `combine`
 consumes, so nothing lives on `self` between the two (safe under recompute and pipelining).
 The one host sync is `rows_per_expert` (the grouped GEMM needs group sizes on the host).
+
+Token-choice routing (every token has K slots, n = t*K + k) moves rows by gathers only, forward
+and backward: the sort is a permutation of the N slots, so its inverse is a gather too, and the
+K copies of a token meet in a dense [T, K, D] sum. Scatter-adds (serial, atomic on GPUs) are
+left to routings without that structure (expert choice), which use `index_add`.
 """
 
 from dataclasses import dataclass
@@ -14,15 +20,80 @@ import torch
 
 from .router import Routing
 
-__all__ = ["LocalPlan", "LocalDispatcher"]
+__all__ = ["LocalPlan", "LocalDispatcher", "sort_by_expert"]
 
 
 @dataclass(frozen=True)
 class LocalPlan:
-    token_R: torch.Tensor         # source token of each row, rows in expert-major order
-    weight_R: torch.Tensor        # combine weight of each row
+    kept_R: torch.Tensor          # assignment (slot) index of each row, rows in expert-major order
+    token_R: torch.Tensor         # source token of each row
     rows_per_expert: list[int]    # host copy of the kept rows per expert (the one sync)
     num_tokens: int
+    weight_N: torch.Tensor        # combine weight per assignment
+    top_k: int | None             # set: slot layout (gather combine); None: scatter combine
+    slot_to_row_N: torch.Tensor | None  # inverse of the sort; dropped slots point at row R (zero)
+
+
+def sort_by_expert(expert_N: torch.Tensor, num_experts: int):
+    """Stable sort of assignments by expert; returns (order_N, rows_per_expert host list).
+
+    Dropped assignments carry expert id E and sort last; a stable sort keeps token order within
+    each expert, so every layout sees the same rows in the same order.
+    """
+    expert_sorted_N, order_N = torch.sort(expert_N, stable=True)
+    counts = torch.bincount(expert_sorted_N, minlength=num_experts + 1)
+    return order_N, counts[:num_experts].tolist()
+
+
+class _GatherTokens(torch.autograd.Function):
+    """x_RD = x_TD[kept_R // K]. Backward: un-sort by the inverse permutation (a gather), then
+    sum each token's K slots; dropped slots read the zero row R."""
+
+    @staticmethod
+    def forward(ctx, x_TD, token_R, slot_to_row_N, top_k: int):
+        ctx.save_for_backward(slot_to_row_N)
+        ctx.top_k, ctx.num_tokens = top_k, x_TD.shape[0]
+        return x_TD.index_select(0, token_R)
+
+    @staticmethod
+    def backward(ctx, grad_RD):
+        (slot_to_row_N,) = ctx.saved_tensors
+        grad_ND = _unsort(grad_RD, slot_to_row_N)
+        return grad_ND.view(ctx.num_tokens, ctx.top_k, -1).sum(1), None, None, None
+
+
+class _CombineSlots(torch.autograd.Function):
+    """y_TD = sum_k w_TK * y_TKD, with y_TKD the rows un-sorted into slots (dropped slots zero).
+    Backward: grad of rows = (w_TK * g_TD) gathered back into expert order; grad of w_TK =
+    y_TKD . g_TD. Both are gathers and batched products."""
+
+    @staticmethod
+    def forward(ctx, y_RD, weight_N, slot_to_row_N, kept_R, num_tokens: int):
+        dtype = torch.promote_types(y_RD.dtype, weight_N.dtype)
+        y_TKD = _unsort(y_RD.to(dtype), slot_to_row_N).view(num_tokens, -1, y_RD.shape[-1])
+        w_TK = weight_N.to(dtype).view(num_tokens, -1)
+        ctx.save_for_backward(y_TKD, w_TK, kept_R)
+        ctx.y_dtype = y_RD.dtype
+        return torch.bmm(w_TK.unsqueeze(1), y_TKD).squeeze(1)
+
+    @staticmethod
+    def backward(ctx, grad_TD):
+        y_TKD, w_TK, kept_R = ctx.saved_tensors
+        grad_TD = grad_TD.to(y_TKD.dtype)
+        grad_y = grad_w = None
+        if ctx.needs_input_grad[0]:
+            grad_TKD = w_TK.unsqueeze(-1) * grad_TD.unsqueeze(1)
+            grad_y = grad_TKD.flatten(0, 1).index_select(0, kept_R).to(ctx.y_dtype)
+        if ctx.needs_input_grad[1]:
+            grad_w = torch.bmm(y_TKD, grad_TD.unsqueeze(-1)).flatten()
+        return grad_y, grad_w, None, None, None
+
+
+def _unsort(rows_RD, slot_to_row_N):
+    """rows in slot order; slots whose row index is R (dropped) read a zero row."""
+    if slot_to_row_N.numel() and rows_RD.shape[0] < slot_to_row_N.shape[0]:
+        rows_RD = torch.cat([rows_RD, rows_RD.new_zeros(1, rows_RD.shape[-1])])
+    return rows_RD.index_select(0, slot_to_row_N)
 
 
 class LocalDispatcher:
@@ -33,17 +104,27 @@ class LocalDispatcher:
 
     def dispatch(self, x_TD: torch.Tensor, routing: Routing):
         """Returns (x_RD rows grouped by expert, plan). Dropped copies (expert == E) are cut off."""
-        # A stable sort keeps token order inside each expert: the same rows in every layout.
-        expert_sorted_N, order_N = torch.sort(routing.expert_N, stable=True)
-        counts = torch.bincount(expert_sorted_N, minlength=self.num_experts + 1)
-        rows_per_expert = counts[: self.num_experts].tolist()
-        kept_R = order_N[: sum(rows_per_expert)]
+        order_N, rows_per_expert = sort_by_expert(routing.expert_N, self.num_experts)
+        num_rows = sum(rows_per_expert)
+        kept_R = order_N[:num_rows]
         token_R = routing.token_N[kept_R]
-        plan = LocalPlan(token_R, routing.weight_N[kept_R], rows_per_expert, x_TD.shape[0])
-        return x_TD[token_R], plan
+        slot_to_row_N = None
+        if routing.top_k is not None:
+            slot_to_row_N = torch.empty_like(order_N)
+            slot_to_row_N[order_N] = torch.arange(order_N.numel(), device=order_N.device).clamp_(
+                max=num_rows)
+            x_RD = _GatherTokens.apply(x_TD, token_R, slot_to_row_N, routing.top_k)
+        else:
+            x_RD = x_TD.index_select(0, token_R)
+        plan = LocalPlan(kept_R, token_R, rows_per_expert, x_TD.shape[0], routing.weight_N,
+                         routing.top_k, slot_to_row_N)
+        return x_RD, plan
 
     def combine(self, y_RD: torch.Tensor, plan: LocalPlan) -> torch.Tensor:
         """y_TD = sum over each token's kept copies of weight * expert output (zero if all dropped)."""
-        weighted_RD = y_RD * plan.weight_R.unsqueeze(-1)
+        if plan.top_k is not None:
+            return _CombineSlots.apply(y_RD, plan.weight_N, plan.slot_to_row_N, plan.kept_R,
+                                       plan.num_tokens)
+        weighted_RD = y_RD * plan.weight_N[plan.kept_R].unsqueeze(-1)
         y_TD = weighted_RD.new_zeros(plan.num_tokens, y_RD.shape[-1])
         return y_TD.index_add(0, plan.token_R, weighted_RD)

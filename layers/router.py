@@ -85,6 +85,9 @@ class Routing:
     token_N: torch.Tensor   # int64, the token each assignment reads
     expert_N: torch.Tensor  # int64, its expert; num_experts marks a dropped assignment
     weight_N: torch.Tensor  # float32/64, combine weight; carries the router's gradient
+    # Set by token-choice routing: then n = token * top_k + k (every token has top_k slots), which
+    # lets the dispatcher combine by a gather and a K-way sum instead of a scatter-add.
+    top_k: int | None = None
 
 
 @dataclass(frozen=True)
@@ -215,7 +218,7 @@ class TopKRouter(_RouterBase):
         counts_E = torch.bincount(experts_TK.flatten(), minlength=self.num_experts)
         stats = RoutingStats(counts_E.to(torch.float32), (expert_N == self.num_experts).sum(),
                              expert_N.numel())
-        return Routing(token_N, expert_N, weight_N), losses, stats
+        return Routing(token_N, expert_N, weight_N, self.top_k), losses, stats
 
     def _within_capacity(self, expert_N, weight_N, cap: int):
         """True for the assignments each expert keeps: its `cap` best by the drop policy."""

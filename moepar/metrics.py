@@ -55,7 +55,7 @@ class StepStats:
         return out
 
 
-def load_heatmap(tokens_LE: torch.Tensor, cell: int = 12) -> torch.Tensor:
+def load_heatmap(tokens_LE: torch.Tensor, cell: int = 24) -> torch.Tensor:
     """A [3, L*cell, E*cell] image in [0, 1]: blue = idle, white = mean load, red = 2x mean or more."""
     ratio = tokens_LE / tokens_LE.mean(1, keepdim=True).clamp_min(1e-12)
     t = (ratio / 2).clamp(0, 1).float()                    # 0 idle, 0.5 mean, 1 hot
