@@ -2,7 +2,6 @@
 
 from .dispatch import LocalDispatcher, LocalPlan
 from .experts import FeedForward, GroupedExperts, SharedExperts
-from .grouped_mm import grouped_mm, grouped_mm_backend
 from .model import ModelConfig, Transformer
 from .moe import MoE, MoEOutput, inject_aux_loss
 from .router import (ExpertChoiceRouter, RouterConfig, RouterLosses, Routing, RoutingStats,
@@ -11,4 +10,4 @@ from .router import (ExpertChoiceRouter, RouterConfig, RouterLosses, Routing, Ro
 __all__ = ["MoE", "MoEOutput", "inject_aux_loss", "RouterConfig", "TopKRouter",
            "ExpertChoiceRouter", "Routing", "RouterLosses", "RoutingStats", "capacity",
            "GroupedExperts", "FeedForward", "SharedExperts", "LocalDispatcher", "LocalPlan",
-           "grouped_mm", "grouped_mm_backend", "ModelConfig", "Transformer"]
+           "ModelConfig", "Transformer"]

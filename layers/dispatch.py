@@ -74,7 +74,10 @@ class _CombineSlots(torch.autograd.Function):
         w_TK = weight_N.to(dtype).view(num_tokens, -1)
         ctx.save_for_backward(y_TKD, w_TK, kept_R)
         ctx.y_dtype = y_RD.dtype
-        return torch.bmm(w_TK.unsqueeze(1), y_TKD).squeeze(1)
+        # bmm into a fresh [T, D] (not a view of a temporary), so callers may modify it in place.
+        y_TD = y_TKD.new_empty(num_tokens, y_TKD.shape[-1])
+        torch.bmm(w_TK.unsqueeze(1), y_TKD, out=y_TD.unsqueeze(1))
+        return y_TD
 
     @staticmethod
     def backward(ctx, grad_TD):

@@ -69,8 +69,8 @@ def grouped_mm(x_RI: torch.Tensor, w_GIO: torch.Tensor, rows_per_group: list[int
         dtype = torch.get_autocast_dtype(x_RI.device.type)
         x_RI, w_GIO = x_RI.to(dtype), w_GIO.to(dtype)
     if x_RI.shape[0] == 0:
-        # No rows: keep the weight in the graph so its gradient is a real zero, not None.
-        return x_RI.new_zeros(0, w_GIO.shape[-1]) + 0.0 * w_GIO.sum()
+        # No rows: keep both inputs in the graph so their gradients are real zeros, not None.
+        return x_RI.new_zeros(0, w_GIO.shape[-1]) + 0.0 * w_GIO.sum() + 0.0 * x_RI.sum()
     if _native_fits(x_RI, w_GIO):
         if offs_G is None:
             offs_G = torch.tensor(rows_per_group, device=x_RI.device).cumsum(0).to(torch.int32)

@@ -85,7 +85,7 @@ class RMSNorm(nn.Module):
         return F.rms_norm(x, (x.shape[-1],), self.weight, self.eps)
 
 
-def rotary_tables(seq_len: int, head_dim: int, theta: float, dtype=torch.float32):
+def rotary_tables(seq_len: int, head_dim: int, theta: float, dtype=torch.float64):
     """cos, sin of shape [S, Hd] for the rotate-half convention (frequencies repeated twice)."""
     inv_freq = 1.0 / theta ** (torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim)
     angles_SF = torch.outer(torch.arange(seq_len, dtype=torch.float64), inv_freq)
@@ -174,6 +174,7 @@ class Transformer(nn.Module):
         if not cfg.tie_embeddings:
             self.head = nn.Linear(cfg.dim, cfg.vocab_size, bias=False)
             nn.init.normal_(self.head.weight, std=cfg.init_std)
+        # float64 tables: exact for float64 models; `.to(dtype)` rounds them once for others.
         cos, sin = rotary_tables(cfg.max_seq_len, cfg.head_dim_resolved, cfg.rope_theta)
         self.register_buffer("rope_cos", cos, persistent=False)
         self.register_buffer("rope_sin", sin, persistent=False)

@@ -10,9 +10,12 @@ Legend: T tokens, D model dim, R rows sent to experts, S sequence length.
 Aux losses are returned, never kept in a module global. With `aux_loss_scale` set, the layer also
 attaches their gradient inside autograd (scale-and-inject): the output is unchanged and backward
 adds d(total)/d(router) * scale, so the losses train the router under gradient accumulation,
-activation recompute and any pipeline schedule without reaching the final loss.
+activation recompute and any pipeline schedule without reaching the final loss. The injection
+rides on the combine weights (N numbers, not the [T, D] output), which every backward through
+the layer's output reaches.
 """
 
+import dataclasses
 from typing import NamedTuple
 
 import torch
@@ -32,13 +35,13 @@ class MoEOutput(NamedTuple):
 
 
 class _InjectAuxLoss(torch.autograd.Function):
-    """Forward: identity on y. Backward: y's gradient passes through; aux_loss gets `scale`."""
+    """Forward: a copy of y. Backward: y's gradient passes through; aux_loss gets `scale`."""
 
     @staticmethod
     def forward(ctx, y, aux_loss, scale: float):
         ctx.scale = scale
         ctx.aux_shape, ctx.aux_dtype = aux_loss.shape, aux_loss.dtype
-        return y.view_as(y)
+        return y.clone()
 
     @staticmethod
     def backward(ctx, grad_y):
@@ -47,7 +50,8 @@ class _InjectAuxLoss(torch.autograd.Function):
 
 
 def inject_aux_loss(y, aux_loss, scale: float):
-    """Returns y unchanged; in backward, aux_loss receives gradient `scale`."""
+    """Returns y's values (a copy, so callers may modify it in place); in backward, aux_loss
+    receives gradient `scale` whenever y does."""
     if not aux_loss.requires_grad:
         return y
     return _InjectAuxLoss.apply(y, aux_loss, scale)
@@ -92,11 +96,12 @@ class MoE(nn.Module):
         seq_len = x.shape[-2] if x.dim() >= 2 else 1
         x_TD = x.reshape(-1, self.dim)
         routing, losses, stats = self.router(x_TD, seq_len=seq_len if x.dim() > 2 else None)
+        if self.aux_loss_scale is not None:
+            routing = dataclasses.replace(routing, weight_N=inject_aux_loss(
+                routing.weight_N, losses.total, self.aux_loss_scale))
         x_RD, plan = self.dispatcher.dispatch(x_TD, routing)
         y_RD = self.experts(x_RD, plan.rows_per_expert)
         y_TD = self.dispatcher.combine(y_RD, plan).to(x.dtype)
         if self.shared is not None:
             y_TD = y_TD + self.shared(x_TD)
-        if self.aux_loss_scale is not None:
-            y_TD = inject_aux_loss(y_TD, losses.total, self.aux_loss_scale)
         return MoEOutput(y_TD.view(x.shape[:-1] + (y_TD.shape[-1],)), losses, stats)
