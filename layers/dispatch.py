@@ -64,15 +64,15 @@ class _GatherTokens(torch.autograd.Function):
 
 class _CombineSlots(torch.autograd.Function):
     """y_TD = sum_k w_TK * y_TKD, with y_TKD the rows un-sorted into slots (dropped slots zero).
-    Backward: grad of rows = (w_TK * g_TD) gathered back into expert order; grad of w_TK =
-    y_TKD . g_TD. Both are gathers and batched products."""
+    Backward: grad of row r = w_r * g[token_r] (a gather, scaled in place); grad of w_TK =
+    y_TKD . g_TD (a batched product). No scatter."""
 
     @staticmethod
-    def forward(ctx, y_RD, weight_N, slot_to_row_N, kept_R, num_tokens: int):
+    def forward(ctx, y_RD, weight_N, slot_to_row_N, kept_R, token_R, num_tokens: int):
         dtype = torch.promote_types(y_RD.dtype, weight_N.dtype)
         y_TKD = _unsort(y_RD.to(dtype), slot_to_row_N).view(num_tokens, -1, y_RD.shape[-1])
         w_TK = weight_N.to(dtype).view(num_tokens, -1)
-        ctx.save_for_backward(y_TKD, w_TK, kept_R)
+        ctx.save_for_backward(y_TKD, w_TK, kept_R, token_R)
         ctx.y_dtype = y_RD.dtype
         # bmm into a fresh [T, D] (not a view of a temporary), so callers may modify it in place.
         y_TD = y_TKD.new_empty(num_tokens, y_TKD.shape[-1])
@@ -81,15 +81,15 @@ class _CombineSlots(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_TD):
-        y_TKD, w_TK, kept_R = ctx.saved_tensors
+        y_TKD, w_TK, kept_R, token_R = ctx.saved_tensors
         grad_TD = grad_TD.to(y_TKD.dtype)
         grad_y = grad_w = None
         if ctx.needs_input_grad[0]:
-            grad_TKD = w_TK.unsqueeze(-1) * grad_TD.unsqueeze(1)
-            grad_y = grad_TKD.flatten(0, 1).index_select(0, kept_R).to(ctx.y_dtype)
+            grad_y = grad_TD.index_select(0, token_R)
+            grad_y = grad_y.mul_(w_TK.flatten().index_select(0, kept_R).unsqueeze(-1)).to(ctx.y_dtype)
         if ctx.needs_input_grad[1]:
             grad_w = torch.bmm(y_TKD, grad_TD.unsqueeze(-1)).flatten()
-        return grad_y, grad_w, None, None, None
+        return grad_y, grad_w, None, None, None, None
 
 
 def _unsort(rows_RD, slot_to_row_N):
@@ -127,7 +127,7 @@ class LocalDispatcher:
         """y_TD = sum over each token's kept copies of weight * expert output (zero if all dropped)."""
         if plan.top_k is not None:
             return _CombineSlots.apply(y_RD, plan.weight_N, plan.slot_to_row_N, plan.kept_R,
-                                       plan.num_tokens)
+                                       plan.token_R, plan.num_tokens)
         weighted_RD = y_RD * plan.weight_N[plan.kept_R].unsqueeze(-1)
         y_TD = weighted_RD.new_zeros(plan.num_tokens, y_RD.shape[-1])
         return y_TD.index_add(0, plan.token_R, weighted_RD)
