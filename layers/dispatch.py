@@ -20,7 +20,8 @@ import torch
 
 from .router import Routing
 
-__all__ = ["LocalPlan", "LocalDispatcher", "sort_by_expert"]
+__all__ = ["LocalPlan", "LocalDispatcher", "sort_by_expert", "gather_sorted", "permute_rows",
+           "inverse_permutation"]
 
 
 @dataclass(frozen=True)
@@ -35,14 +36,37 @@ class LocalPlan:
 
 
 def sort_by_expert(expert_N: torch.Tensor, num_experts: int):
-    """Stable sort of assignments by expert; returns (order_N, rows_per_expert host list).
+    """Stable sort of assignments by expert; returns (order_N, counts_E) on the device, no sync.
 
-    Dropped assignments carry expert id E and sort last; a stable sort keeps token order within
-    each expert, so every layout sees the same rows in the same order.
+    Dropped assignments carry expert id E and sort last (and are not counted); a stable sort keeps
+    token order within each expert, so every layout sees the same rows in the same order.
     """
     expert_sorted_N, order_N = torch.sort(expert_N, stable=True)
     counts = torch.bincount(expert_sorted_N, minlength=num_experts + 1)
-    return order_N, counts[:num_experts].tolist()
+    return order_N, counts[:num_experts]
+
+
+class _PermuteRows(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, index, inverse):
+        ctx.save_for_backward(inverse)
+        return x.index_select(0, index)
+
+    @staticmethod
+    def backward(ctx, grad):
+        (inverse,) = ctx.saved_tensors
+        return grad.index_select(0, inverse), None, None
+
+
+def permute_rows(x, index, inverse):
+    """x[index] for a permutation `index` whose inverse is `inverse`: a gather both ways."""
+    return _PermuteRows.apply(x, index, inverse)
+
+
+def inverse_permutation(index):
+    inverse = torch.empty_like(index)
+    inverse[index] = torch.arange(index.numel(), device=index.device)
+    return inverse
 
 
 class _GatherTokens(torch.autograd.Function):
@@ -99,6 +123,24 @@ def _unsort(rows_RD, slot_to_row_N):
     return rows_RD.index_select(0, slot_to_row_N)
 
 
+def gather_sorted(x_TD, routing: Routing, order_N, rows_per_expert: list[int]):
+    """The rows of x for the kept assignments in `order_N`, and the plan to combine them back."""
+    num_rows = sum(rows_per_expert)
+    kept_R = order_N[:num_rows]
+    token_R = routing.token_N[kept_R]
+    slot_to_row_N = None
+    if routing.top_k is not None:
+        slot_to_row_N = torch.empty_like(order_N)
+        slot_to_row_N[order_N] = torch.arange(order_N.numel(), device=order_N.device).clamp_(
+            max=num_rows)
+        x_RD = _GatherTokens.apply(x_TD, token_R, slot_to_row_N, routing.top_k)
+    else:
+        x_RD = x_TD.index_select(0, token_R)
+    plan = LocalPlan(kept_R, token_R, rows_per_expert, x_TD.shape[0], routing.weight_N,
+                     routing.top_k, slot_to_row_N)
+    return x_RD, plan
+
+
 class LocalDispatcher:
     """Dispatch for experts that all live on this device."""
 
@@ -107,27 +149,18 @@ class LocalDispatcher:
 
     def dispatch(self, x_TD: torch.Tensor, routing: Routing):
         """Returns (x_RD rows grouped by expert, plan). Dropped copies (expert == E) are cut off."""
-        order_N, rows_per_expert = sort_by_expert(routing.expert_N, self.num_experts)
-        num_rows = sum(rows_per_expert)
-        kept_R = order_N[:num_rows]
-        token_R = routing.token_N[kept_R]
-        slot_to_row_N = None
-        if routing.top_k is not None:
-            slot_to_row_N = torch.empty_like(order_N)
-            slot_to_row_N[order_N] = torch.arange(order_N.numel(), device=order_N.device).clamp_(
-                max=num_rows)
-            x_RD = _GatherTokens.apply(x_TD, token_R, slot_to_row_N, routing.top_k)
-        else:
-            x_RD = x_TD.index_select(0, token_R)
-        plan = LocalPlan(kept_R, token_R, rows_per_expert, x_TD.shape[0], routing.weight_N,
-                         routing.top_k, slot_to_row_N)
-        return x_RD, plan
+        order_N, counts_E = sort_by_expert(routing.expert_N, self.num_experts)
+        return gather_sorted(x_TD, routing, order_N, counts_E.tolist())
 
     def combine(self, y_RD: torch.Tensor, plan: LocalPlan) -> torch.Tensor:
-        """y_TD = sum over each token's kept copies of weight * expert output (zero if all dropped)."""
-        if plan.top_k is not None:
-            return _CombineSlots.apply(y_RD, plan.weight_N, plan.slot_to_row_N, plan.kept_R,
-                                       plan.token_R, plan.num_tokens)
-        weighted_RD = y_RD * plan.weight_N[plan.kept_R].unsqueeze(-1)
-        y_TD = weighted_RD.new_zeros(plan.num_tokens, y_RD.shape[-1])
-        return y_TD.index_add(0, plan.token_R, weighted_RD)
+        return combine_sorted(y_RD, plan)
+
+
+def combine_sorted(y_RD: torch.Tensor, plan: LocalPlan) -> torch.Tensor:
+    """y_TD = sum over each token's kept copies of weight * expert output (zero if all dropped)."""
+    if plan.top_k is not None:
+        return _CombineSlots.apply(y_RD, plan.weight_N, plan.slot_to_row_N, plan.kept_R,
+                                   plan.token_R, plan.num_tokens)
+    weighted_RD = y_RD * plan.weight_N[plan.kept_R].unsqueeze(-1)
+    y_TD = weighted_RD.new_zeros(plan.num_tokens, y_RD.shape[-1])
+    return y_TD.index_add(0, plan.token_R, weighted_RD)

@@ -62,6 +62,8 @@ class GroupedExperts(nn.Module):
                  init_std: float = 0.02, out_init_std: float | None = None):
         super().__init__()
         self.num_experts, self.activation = num_experts, activation
+        # Expert parallelism keeps a block of experts; these name them by global id.
+        self.expert_offset, self.num_global_experts = 0, num_experts
         self.w_in_EDH = nn.Parameter(torch.empty(num_experts, dim, _in_features(ffn_dim, activation)))
         self.w_out_EFD = nn.Parameter(torch.empty(num_experts, ffn_dim, dim))
         nn.init.normal_(self.w_in_EDH, std=init_std)

@@ -1,0 +1,62 @@
+"""The all-gather token dispatcher: every EP rank sees the whole EP group's tokens and runs its
+own experts on the copies routed to them; partial outputs are summed back by reduce-scatter.
+
+Legend: T tokens per rank, D model dim, N assignments per rank, P = ep ranks, R local rows.
+Talks on the `ep` group only.
+
+| step            | forward                                     | backward                       |
+|-----------------|---------------------------------------------|--------------------------------|
+| tokens          | all_gather_into_tensor [P*T, D]             | reduce_scatter_tensor (sum)    |
+| weights, ids    | all_gather_into_tensor [P*N] (+ ids, no grad)| reduce_scatter_tensor (sum)   |
+| outputs         | reduce_scatter_tensor [P*T, D] -> [T, D]    | all_gather_into_tensor         |
+
+Moves (P-1)*T*D per rank each way whatever the routing, so it suits small EP; every rank must
+hold the same T. One host sync per layer (rows per local expert).
+"""
+
+from dataclasses import dataclass
+
+import torch
+
+from moepar.layers.dispatch import LocalPlan, combine_sorted, gather_sorted, sort_by_expert
+from moepar.layers.router import Routing
+
+from .comm import all_gather_rows, group_size, reduce_scatter_rows
+
+__all__ = ["AllGatherDispatcher", "AllGatherPlan"]
+
+
+@dataclass(frozen=True)
+class AllGatherPlan:
+    local: LocalPlan
+    rows_per_expert: list[int]
+
+
+class AllGatherDispatcher:
+    def __init__(self, num_experts: int, group, ep_rank: int, layer_id: int = 0):
+        self.num_experts, self.group, self.layer_id = num_experts, group, layer_id
+        self.ep = group_size(group)
+        self.num_local = num_experts // self.ep
+        self.first = ep_rank * self.num_local
+
+    def dispatch(self, x_TD: torch.Tensor, routing: Routing):
+        num_tokens = x_TD.shape[0]
+        x_all = all_gather_rows(x_TD, self.group)
+        weight_all = all_gather_rows(routing.weight_N, self.group)
+        expert_all = all_gather_rows(routing.expert_N, self.group)
+        token_all = all_gather_rows(routing.token_N, self.group)
+        rank_of_N = torch.arange(self.ep, device=x_TD.device).repeat_interleave(routing.expert_N.numel())
+        token_all = token_all + rank_of_N * num_tokens
+        # Local experts keep their index (shifted to 0..El-1); every other copy is "dropped" here.
+        local_e = expert_all - self.first
+        mine = (local_e >= 0) & (local_e < self.num_local)
+        local_e = torch.where(mine, local_e, self.num_local)
+        local_routing = Routing(token_all, local_e, weight_all, routing.top_k)
+        order_N, counts = sort_by_expert(local_e, self.num_local)
+        rows = counts.tolist()   # the one host sync
+        x_RD, local = gather_sorted(x_all, local_routing, order_N, rows)
+        return x_RD, AllGatherPlan(local, rows)
+
+    def combine(self, y_RD: torch.Tensor, plan: AllGatherPlan) -> torch.Tensor:
+        partial_all = combine_sorted(y_RD, plan.local)   # [P*T, D], my experts' share only
+        return reduce_scatter_rows(partial_all, self.group)

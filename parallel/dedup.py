@@ -1,0 +1,123 @@
+"""All-to-all dispatch with token de-duplication: a token whose top-k experts share an EP rank
+travels there once; that rank runs each of its experts on it, weights and sums the results, and
+sends one row back.
+
+Legend: T tokens, D model dim, N assignments, Q (token, rank) pairs sent, A assignments sent,
+P = ep ranks, El local experts. Talks on the `ep` group only.
+
+| step              | forward                                             | backward                    |
+|-------------------|-----------------------------------------------------|-----------------------------|
+| count exchange    | all_to_all_single of [P, 1+El] ints                 | -                           |
+| rows out          | all_to_all_single, Q rows of D                      | all_to_all_single           |
+| assignment ids    | all_to_all_single, A x 2 ints (row, local expert)   | -                           |
+| weights           | all_to_all_single, A floats                         | all_to_all_single           |
+| rows back         | all_to_all_single, Q rows of D (partial sums)       | all_to_all_single           |
+
+Bytes of hidden state on the wire: Q*D each way instead of the plain dispatcher's A*D; the ids
+and weights add 3 numbers per assignment. One host sync per layer (all counts together).
+"""
+
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from moepar.layers.dispatch import inverse_permutation, permute_rows, sort_by_expert
+from moepar.layers.router import Routing
+
+from .comm import all_to_all, group_size
+from .splitcheck import check_splits
+
+__all__ = ["DedupAllToAllDispatcher", "DedupPlan"]
+
+
+@dataclass(frozen=True)
+class DedupPlan:
+    pair_token_Q: torch.Tensor     # source token of each pair row sent
+    num_tokens: int
+    send_rows: list[int]           # pair rows to each rank
+    recv_rows: list[int]           # pair rows from each rank
+    row_of_assign: torch.Tensor    # received row each received assignment reads (arrival order)
+    weight_A: torch.Tensor         # received weights, arrival order
+    order_A: torch.Tensor          # arrival -> expert-major
+    inverse_A: torch.Tensor
+    rows_per_expert: list[int]     # assignments per local expert (the grouped GEMM's groups)
+
+
+class DedupAllToAllDispatcher:
+    def __init__(self, num_experts: int, group, layer_id: int = 0, debug: bool = False):
+        self.num_experts, self.group, self.layer_id, self.debug = num_experts, group, layer_id, debug
+        self.ep = group_size(group)
+        self.num_local = num_experts // self.ep
+
+    def _a2a_ints(self, x, out_splits, in_splits):
+        if self.ep == 1:
+            return x
+        out = x.new_empty((sum(out_splits),) + tuple(x.shape[1:]))
+        dist.all_to_all_single(out, x.contiguous(), out_splits, in_splits, group=self.group)
+        return out
+
+    def dispatch(self, x_TD: torch.Tensor, routing: Routing):
+        num_tokens, P, El = x_TD.shape[0], self.ep, self.num_local
+        dest_N = torch.div(routing.expert_N, El, rounding_mode="floor")   # dropped -> P
+        key_sorted, order_N = torch.sort(dest_N * num_tokens + routing.token_N, stable=True)
+        first = torch.ones_like(key_sorted, dtype=torch.bool)
+        first[1:] = key_sorted[1:] != key_sorted[:-1]
+        pair_of_sorted = torch.cumsum(first, 0) - 1
+        pair_key = key_sorted[first]
+        pair_dest = torch.div(pair_key, num_tokens, rounding_mode="floor")
+        pairs_per_dest = torch.bincount(pair_dest, minlength=P + 1)[:P]
+        assigns_PE = torch.bincount(routing.expert_N, minlength=self.num_experts + 1)[:-1].view(P, El)
+        send = torch.cat([pairs_per_dest.unsqueeze(1), assigns_PE], 1)         # [P, 1+El]
+        recv = torch.empty_like(send)
+        if P > 1:
+            dist.all_to_all_single(recv, send.contiguous(), group=self.group)
+        else:
+            recv = send
+        host = torch.cat([send.flatten(), recv.flatten()]).tolist()          # the one host sync
+        send_h = [host[p * (1 + El):(p + 1) * (1 + El)] for p in range(P)]
+        recv_h = [host[(P + p) * (1 + El):(P + p + 1) * (1 + El)] for p in range(P)]
+        send_rows, recv_rows = [r[0] for r in send_h], [r[0] for r in recv_h]
+        send_assign, recv_assign = [sum(r[1:]) for r in send_h], [sum(r[1:]) for r in recv_h]
+        if self.debug:
+            check_splits(send_rows, recv_rows, self.group,
+                         f"MoE layer {self.layer_id} dispatch (dedup rows)", x_TD.device)
+        num_pairs, num_assign = sum(send_rows), sum(send_assign)
+
+        # Source side: one row per (rank, token) pair; per assignment its row and local expert.
+        pair_token_Q = torch.remainder(pair_key[:num_pairs], num_tokens)
+        x_recv = all_to_all(x_TD.index_select(0, pair_token_Q), recv_rows, send_rows, self.group)
+        assign = order_N[:num_assign]
+        assign_dest = dest_N[assign]
+        pair_start = torch.cumsum(pairs_per_dest, 0) - pairs_per_dest
+        meta_A2 = torch.stack([pair_of_sorted[:num_assign] - pair_start[assign_dest],
+                               routing.expert_N[assign] - assign_dest * El], 1)
+        meta_recv = self._a2a_ints(meta_A2, recv_assign, send_assign)
+        weight_recv = all_to_all(routing.weight_N[assign].unsqueeze(1), recv_assign, send_assign,
+                                 self.group).squeeze(1)
+
+        # Destination side: expand rows to assignments, grouped by local expert.
+        recv_rows_t = torch.tensor(recv_rows, device=x_TD.device)
+        src_of_assign = torch.repeat_interleave(
+            torch.arange(P, device=x_TD.device), torch.tensor(recv_assign, device=x_TD.device),
+            output_size=sum(recv_assign))
+        row_of_assign = meta_recv[:, 0] + (torch.cumsum(recv_rows_t, 0) - recv_rows_t)[src_of_assign]
+        order_A, _ = sort_by_expert(meta_recv[:, 1], El)
+        rows_per_expert = [sum(recv_h[s][1 + e] for s in range(P)) for e in range(El)]
+        x_RD = x_recv.index_select(0, row_of_assign[order_A])
+        plan = DedupPlan(pair_token_Q, num_tokens, send_rows, recv_rows, row_of_assign,
+                         weight_recv, order_A, inverse_permutation(order_A), rows_per_expert)
+        return x_RD, plan
+
+    def combine(self, y_RD: torch.Tensor, plan: DedupPlan) -> torch.Tensor:
+        dtype = torch.promote_types(y_RD.dtype, plan.weight_A.dtype)
+        y_arrival = permute_rows(y_RD, plan.inverse_A, plan.order_A)
+        weighted = y_arrival.to(dtype) * plan.weight_A.to(dtype).unsqueeze(1)
+        y_rows = weighted.new_zeros(sum(plan.recv_rows), y_RD.shape[-1]).index_add(
+            0, plan.row_of_assign, weighted)
+        if self.debug:
+            check_splits(plan.recv_rows, plan.send_rows, self.group,
+                         f"MoE layer {self.layer_id} combine (dedup rows)", y_RD.device)
+        y_pairs = all_to_all(y_rows, plan.send_rows, plan.recv_rows, self.group)
+        y_TD = y_pairs.new_zeros(plan.num_tokens, y_RD.shape[-1])
+        return y_TD.index_add(0, plan.pair_token_Q, y_pairs)

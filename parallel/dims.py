@@ -1,0 +1,112 @@
+"""The rank layout: one object that knows how ranks fold into dense and expert axes.
+
+Two decompositions of the same ranks, `pp` outermost in both so pipeline groups coincide:
+
+| layers                                   | mesh axes        | product                          |
+|------------------------------------------|------------------|----------------------------------|
+| dense (attention, embeddings, head, MLP) | (pp, dp, tp)     | world                            |
+| experts                                  | (pp, edp, ep)    | world, with edp = dp * tp / ep   |
+
+Within one pipeline stage the dp*tp ranks are numbered dp-major (rank = dp_rank * tp + tp_rank)
+and re-read as (edp, ep) with ep innermost, so an EP group is a block of consecutive ranks: it is
+the tp group when ep == tp, and spans dp ranks when ep > tp (Megatron's parallel folding).
+
+`ParallelDims` validates on construction, before any process group exists; `coords` is pure rank
+maths; `build_meshes` makes the two DeviceMeshes (every axis gets a real group, size 1 included).
+"""
+
+from dataclasses import dataclass
+
+__all__ = ["ParallelDims", "Coords", "Meshes"]
+
+
+@dataclass(frozen=True)
+class Coords:
+    pp: int
+    dp: int
+    tp: int
+    edp: int
+    ep: int
+
+
+@dataclass(frozen=True)
+class ParallelDims:
+    world_size: int
+    pp: int = 1
+    dp: int = 1
+    tp: int = 1
+    ep: int = 1
+    num_experts: int | None = None   # checked against ep when given
+
+    def __post_init__(self):
+        for name in ("world_size", "pp", "dp", "tp", "ep"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"parallel.{name if name != 'world_size' else 'world size'}="
+                                 f"{getattr(self, name)} must be >= 1")
+        if self.pp * self.dp * self.tp != self.world_size:
+            raise ValueError(f"world size {self.world_size} != parallel.pp={self.pp} * "
+                             f"parallel.dp={self.dp} * parallel.tp={self.tp} "
+                             f"(= {self.pp * self.dp * self.tp})")
+        if (self.dp * self.tp) % self.ep:
+            raise ValueError(f"parallel.ep={self.ep} must divide parallel.dp * parallel.tp = "
+                             f"{self.dp} * {self.tp} = {self.dp * self.tp} (experts fold over "
+                             "the dense data and tensor ranks of a stage)")
+        if self.num_experts is not None and self.num_experts % self.ep:
+            raise ValueError(f"model.num_experts={self.num_experts} must be divisible by "
+                             f"parallel.ep={self.ep}")
+
+    @classmethod
+    def resolve(cls, world_size: int, pp: int = 1, dp: int = 0, tp: int = 1, ep: int = 1,
+                num_experts: int | None = None) -> "ParallelDims":
+        """dp=0 means "the rest": world_size / (pp * tp)."""
+        if dp == 0:
+            if world_size % (pp * tp):
+                raise ValueError(f"world size {world_size} is not divisible by parallel.pp={pp} "
+                                 f"* parallel.tp={tp}, so parallel.dp cannot be derived")
+            dp = world_size // (pp * tp)
+        return cls(world_size, pp, dp, tp, ep, num_experts)
+
+    @property
+    def edp(self) -> int:
+        return self.dp * self.tp // self.ep
+
+    def coords(self, rank: int) -> Coords:
+        """Pure rank maths: this rank's index on every axis."""
+        if not 0 <= rank < self.world_size:
+            raise ValueError(f"rank {rank} outside world size {self.world_size}")
+        stage_size = self.dp * self.tp
+        pp_rank, in_stage = divmod(rank, stage_size)
+        dp_rank, tp_rank = divmod(in_stage, self.tp)
+        edp_rank, ep_rank = divmod(in_stage, self.ep)
+        return Coords(pp_rank, dp_rank, tp_rank, edp_rank, ep_rank)
+
+    def group_ranks(self, axis: str, rank: int) -> list[int]:
+        """The ranks sharing every coordinate with `rank` except `axis` (pure maths)."""
+        me = self.coords(rank)
+        dense = axis in ("pp", "dp", "tp")
+        keep = ("pp", "dp", "tp") if dense else ("pp", "edp", "ep")
+        return [r for r in range(self.world_size)
+                if all(getattr(self.coords(r), a) == getattr(me, a) for a in keep if a != axis)]
+
+    def build_meshes(self, device_type: str) -> "Meshes":
+        """Both DeviceMeshes (needs an initialised default process group)."""
+        from torch.distributed.device_mesh import init_device_mesh
+        dense = init_device_mesh(device_type, (self.pp, self.dp, self.tp),
+                                 mesh_dim_names=("pp", "dp", "tp"))
+        expert = init_device_mesh(device_type, (self.pp, self.edp, self.ep),
+                                  mesh_dim_names=("pp", "edp", "ep"))
+        return Meshes(dense, expert)
+
+    def describe(self) -> str:
+        return (f"world {self.world_size} = pp {self.pp} x dp {self.dp} x tp {self.tp}; "
+                f"experts: pp {self.pp} x edp {self.edp} x ep {self.ep}")
+
+
+@dataclass(frozen=True)
+class Meshes:
+    dense: object    # DeviceMesh (pp, dp, tp)
+    expert: object   # DeviceMesh (pp, edp, ep)
+
+    def group(self, axis: str):
+        mesh = self.dense if axis in ("pp", "dp", "tp") else self.expert
+        return mesh.get_group(axis)

@@ -1,0 +1,32 @@
+"""Debug check for all-to-alls: every rank's split sizes must agree before data moves.
+
+Talks on the group it is given (the `ep` group). Off by default (`parallel.debug_splits`): it adds
+one all_gather of 2*P integers per all-to-all and a host sync.
+
+A wrong split (a bug, or ranks at different layers) makes `all_to_all_single` hang or corrupt
+rows; this check all-gathers every rank's (send, recv) sizes, which cannot hang, and raises the
+same error on every rank, naming the layer and the first disagreeing pair of ranks.
+"""
+
+import torch
+import torch.distributed as dist
+
+__all__ = ["check_splits", "SplitMismatchError"]
+
+
+class SplitMismatchError(RuntimeError):
+    pass
+
+
+def check_splits(send_splits: list[int], recv_splits: list[int], group, where: str, device=None):
+    size = dist.get_world_size(group)
+    mine = torch.tensor([send_splits, recv_splits], dtype=torch.long, device=device)
+    everyone = [torch.empty_like(mine) for _ in range(size)]
+    dist.all_gather(everyone, mine, group=group)
+    for src in range(size):
+        for dst in range(size):
+            sent, got = int(everyone[src][0][dst]), int(everyone[dst][1][src])
+            if sent != got:
+                raise SplitMismatchError(
+                    f"{where}: EP rank {src} sends {sent} rows to EP rank {dst}, which expects "
+                    f"{got} (all-to-all split sizes disagree; the collective would hang)")
