@@ -8,7 +8,7 @@ import os
 import pytest
 import torch
 
-from conftest import tiny_config
+from configs import tiny_config
 from moepar.metrics import StepStats
 from moepar.checkpoint import CheckpointError, latest_checkpoint, load_checkpoint
 from moepar.train import NonFiniteError, Trainer, lr_at

@@ -1,0 +1,148 @@
+"""Expert parallelism: dispatchers round-trip under adversarial routing, and the EP MoE layer
+equals the single-process layer (outputs, expert gradients on their owner, router gradients
+after reduction), for every dispatcher, dropless and capacity, ep 2 and 4."""
+
+import copy
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from moepar.layers import MoE, Routing
+from moepar.parallel.dims import ParallelDims
+from moepar.parallel.expert import apply_ep
+from moepar.parallel.splitcheck import SplitMismatchError
+
+DIM, FFN, E, K, T = 8, 12, 8, 2, 10
+
+
+def setup(ep: int):
+    rank, size = dist.get_rank(), dist.get_world_size()
+    dims = ParallelDims.resolve(size, ep=ep, num_experts=E)
+    return rank, dims, dims.build_meshes("cpu")
+
+
+def routing_for(scenario: str, rank: int, gen) -> Routing:
+    token = torch.arange(T).repeat_interleave(K)
+    weight = torch.rand(T * K, dtype=torch.float64, generator=gen)
+    if scenario == "random":
+        expert = torch.stack([torch.randperm(E, generator=gen)[:K] for _ in range(T)]).flatten()
+    elif scenario == "one_expert":        # every copy to expert 0 (k copies of a token: 0 and 1)
+        expert = torch.tensor([0, 1] * T)
+    elif scenario == "empty_but_one":     # all but one expert get nothing; others dropped
+        expert = torch.tensor([E - 1, E] * T)
+    elif scenario == "rank0_sends_nothing":
+        expert = torch.full((T * K,), E) if rank == 0 else torch.tensor([0, 2] * T)
+    elif scenario == "same_rank_pairs":   # both copies on one EP rank: what dedup removes
+        expert = torch.tensor([2, 3] * T)
+    else:
+        raise ValueError(scenario)
+    return Routing(token, expert, weight, K)
+
+
+def case_round_trip(ep: int, dispatcher: str, dedup: bool, scenario: str):
+    """Experts multiply by (global id + 1); combine must give sum_k w * x * (e + 1) per token."""
+    rank, dims, meshes = setup(ep)
+    moe = apply_ep(MoE(DIM, FFN, E, K).double(), dims, meshes, rank, dispatcher, dedup, debug=True)
+    gen = torch.Generator().manual_seed(100 + rank)
+    x = torch.randn(T, DIM, dtype=torch.float64, generator=gen, requires_grad=True)
+    routing = routing_for(scenario, rank, gen)
+    x_RD, plan = moe.dispatcher.dispatch(x, routing)
+    assert sum(plan.rows_per_expert) == x_RD.shape[0]
+    offset = moe.experts.expert_offset
+    ids = torch.repeat_interleave(torch.arange(len(plan.rows_per_expert)) + offset,
+                                  torch.tensor(plan.rows_per_expert), output_size=x_RD.shape[0])
+    y = moe.dispatcher.combine(x_RD * (ids + 1).unsqueeze(1).double(), plan)
+    expected = torch.zeros(T, DIM, dtype=torch.float64)
+    for n in range(T * K):
+        e = int(routing.expert_N[n])
+        if e < E:
+            t = int(routing.token_N[n])
+            expected[t] += routing.weight_N[n] * x[t].detach() * (e + 1)
+    torch.testing.assert_close(y, expected, rtol=1e-12, atol=1e-12)
+    y.sum().backward()
+    scale = torch.zeros(T, dtype=torch.float64)
+    for n in range(T * K):
+        if int(routing.expert_N[n]) < E:
+            scale[int(routing.token_N[n])] += routing.weight_N[n] * (int(routing.expert_N[n]) + 1)
+    torch.testing.assert_close(x.grad, scale.unsqueeze(1).expand(-1, DIM), rtol=1e-12, atol=1e-12)
+
+
+def case_layer_parity(ep: int, dispatcher: str, dedup: bool, capacity_factor):
+    rank, dims, meshes = setup(ep)
+    size = dist.get_world_size()
+    torch.manual_seed(0)
+    kwargs = dict(capacity_factor=capacity_factor, balance_coeff=0.01, z_coeff=0.001)
+    reference = MoE(DIM, FFN, E, K, num_shared_experts=1, **kwargs).double()
+    sharded = apply_ep(copy.deepcopy(reference), dims, meshes, rank, dispatcher, dedup, debug=True)
+    gen = torch.Generator().manual_seed(7)
+    xs = [torch.randn(2, T, DIM, dtype=torch.float64, generator=gen) for _ in range(size)]
+    gs = [torch.randn(2, T, DIM, dtype=torch.float64, generator=gen) for _ in range(size)]
+    # Reference: each rank's input is its own capacity group, as under EP.
+    ref_outputs = []
+    for x, g in zip(xs, gs):
+        out = reference(x)
+        ref_outputs.append(out.y.detach())
+        ((out.y * g).sum() + out.aux_loss.total).backward()
+    out = sharded(xs[rank])
+    torch.testing.assert_close(out.y, ref_outputs[rank], rtol=1e-10, atol=1e-12)
+    ((out.y * gs[rank]).sum() + out.aux_loss.total).backward()
+    # Expert grads on their owner: the sum over the EP group's token streams, over all edp
+    # groups after summing over edp.
+    ep_group, edp_group = meshes.group("ep"), meshes.group("edp")
+    first, local = sharded.experts.expert_offset, sharded.experts.num_experts
+    for name in ("w_in_EDH", "w_out_EFD"):
+        grad = getattr(sharded.experts, name).grad.clone()
+        dist.all_reduce(grad, group=edp_group)
+        ref = getattr(reference.experts, name).grad[first:first + local]
+        torch.testing.assert_close(grad, ref, rtol=1e-10, atol=1e-12, msg=name)
+    for (name, p), q in zip(sharded.named_parameters(), reference.parameters()):
+        if name.startswith("experts."):
+            continue
+        grad = p.grad.clone()
+        dist.all_reduce(grad)  # dense parameters: summed over every rank's tokens
+        torch.testing.assert_close(grad, q.grad, rtol=1e-10, atol=1e-12, msg=name)
+
+
+def case_split_mismatch_raises(ep: int):
+    rank, dims, meshes = setup(ep)
+    moe = apply_ep(MoE(DIM, FFN, E, K).double(), dims, meshes, rank, "alltoall", debug=True)
+    real = moe.dispatcher.exchange_counts
+
+    def corrupt(counts_E):
+        sent, received = real(counts_E)
+        if rank == 1:
+            received[0][0] += 1   # rank 1 now expects a row rank 0 never sends
+        return sent, received
+
+    moe.dispatcher.exchange_counts = corrupt
+    x = torch.randn(T, DIM, dtype=torch.float64)
+    try:
+        moe(x)
+    except SplitMismatchError as e:
+        assert "MoE layer 0 dispatch" in str(e) and "EP rank 0" in str(e)
+        return "raised"
+    raise AssertionError("no SplitMismatchError")
+
+
+SCENARIOS = ["random", "one_expert", "empty_but_one", "rank0_sends_nothing", "same_rank_pairs"]
+KINDS = [("alltoall", False), ("alltoall", True), ("allgather", False)]
+
+
+@pytest.mark.parametrize("scenario", SCENARIOS)
+@pytest.mark.parametrize("kind", KINDS, ids=lambda k: k[0] + ("-dedup" if k[1] else ""))
+def test_round_trip(worlds, kind, scenario):
+    worlds(4).run(case_round_trip, 4, kind[0], kind[1], scenario)
+    worlds(4).run(case_round_trip, 2, kind[0], kind[1], scenario)
+
+
+@pytest.mark.parametrize("capacity_factor", [None, 1.0])
+@pytest.mark.parametrize("kind", KINDS, ids=lambda k: k[0] + ("-dedup" if k[1] else ""))
+def test_layer_parity(worlds, kind, capacity_factor):
+    worlds(2).run(case_layer_parity, 2, kind[0], kind[1], capacity_factor)
+    worlds(4).run(case_layer_parity, 4, kind[0], kind[1], capacity_factor)
+    worlds(4).run(case_layer_parity, 2, kind[0], kind[1], capacity_factor)
+
+
+def test_split_mismatch_raises_instead_of_hanging(worlds):
+    assert worlds(2).run(case_split_mismatch_raises, 2, timeout=60) == ["raised", "raised"]
