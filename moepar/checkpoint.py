@@ -1,14 +1,23 @@
-"""Checkpoints: safetensors for every tensor, JSON for the rest, committed by an atomic rename.
+"""Checkpoints: layout-free safetensors shards written by their owners, JSON for the rest,
+committed by an atomic rename.
 
-    checkpoints/step_N/model.safetensors      parameters and buffers, by model name
-    checkpoints/step_N/optimizer.safetensors  AdamW moments and step counts, "<kind>/<param name>"
-    checkpoints/step_N/rng.safetensors        torch RNG states as uint8 tensors
-    checkpoints/step_N/state.json             step, data position, resolved config
-    checkpoints/step_N/manifest.json          SHA-256 of every file above; written last
+    checkpoints/step_N/model-r<rank>.safetensors      tensors this rank owns, canonical names
+    checkpoints/step_N/optimizer-r<rank>.safetensors  AdamW state: "<kind>/<canonical name>"
+    checkpoints/step_N/rng-r<rank>.safetensors        that rank's torch RNG state
+    checkpoints/step_N/index.json                     canonical name -> file
+    checkpoints/step_N/state.json                     step, data position, resolved config
+    checkpoints/step_N/manifest.json                  SHA-256 of every file above; written last
 
-A checkpoint is written under `.step_N.tmp`, fsynced, and renamed to `step_N`: a crash leaves
-only a temporary directory, which `latest_checkpoint` never returns. Loading verifies the manifest
-before touching the model. No pickle anywhere.
+Canonical names are the model's parameter names, except that stacked experts are split by global
+expert id: `layers.1.ffn.experts.w_in_EDH` [E_local, D, H] on a rank holding experts 4..7 is
+written as `layers.1.ffn.experts.4.w_in` ... `.7.w_in`. So a checkpoint does not depend on the
+layout that wrote it, and any layout can load it. Dense tensors are written by rank 0, experts by
+the ranks with edp rank 0 (one replica each).
+
+Every rank writes into `.step_N.tmp`; after a barrier rank 0 writes the index and the manifest
+and renames the directory to `step_N`: a crash leaves only a temporary directory, which is never
+loaded. Loading verifies the manifest on rank 0 first and every rank raises the same error.
+No pickle anywhere.
 """
 
 import hashlib
@@ -18,17 +27,95 @@ import re
 import shutil
 
 import torch
-from safetensors.torch import load_file, save_file
+import torch.distributed as dist
+from safetensors import safe_open
+from safetensors.torch import save_file
 
-__all__ = ["save_checkpoint", "load_checkpoint", "latest_checkpoint", "CheckpointError"]
+from moepar.layers.experts import GroupedExperts
 
-MANIFEST = "manifest.json"
+__all__ = ["save_checkpoint", "load_checkpoint", "latest_checkpoint", "complete_steps",
+           "verify_checkpoint", "CheckpointError", "Owner"]
+
+MANIFEST, INDEX, STATE = "manifest.json", "index.json", "state.json"
 _STEP_DIR = re.compile(r"^step_(\d+)$")
 
 
 class CheckpointError(ValueError):
     """A checkpoint that is missing, incomplete, corrupt or does not fit the model."""
 
+
+class Owner:
+    """Which canonical tensors this rank writes: dense ones on rank 0, experts where edp == 0."""
+
+    def __init__(self, rank: int = 0, world_size: int = 1, writes_experts: bool = True):
+        self.rank, self.world_size, self.writes_experts = rank, world_size, writes_experts
+
+    @property
+    def writes_dense(self) -> bool:
+        return self.rank == 0
+
+    def barrier(self):
+        if self.world_size > 1:
+            dist.barrier()
+
+    def gather(self, obj):
+        if self.world_size == 1:
+            return [obj]
+        out = [None] * self.world_size
+        dist.all_gather_object(out, obj)
+        return out
+
+    def broadcast(self, obj):
+        if self.world_size == 1:
+            return obj
+        box = [obj]
+        dist.broadcast_object_list(box, src=0)
+        return box[0]
+
+
+# ---- canonical names -------------------------------------------------------------------------
+
+def _expert_modules(model) -> dict[str, GroupedExperts]:
+    return {name: m for name, m in model.named_modules() if isinstance(m, GroupedExperts)}
+
+
+def _split_name(name: str, experts: dict):
+    """('layers.1.ffn.experts', module, 'w_in') for an expert stack, else None."""
+    owner, _, leaf = name.rpartition(".")
+    if owner in experts:
+        return owner, experts[owner], leaf.rsplit("_", 1)[0]
+    return None
+
+
+def canonical_items(model, named: dict[str, torch.Tensor], owner: Owner, per_param_scalar=False):
+    """Yields (canonical name, tensor) this rank writes for tensors keyed by parameter name."""
+    experts = _expert_modules(model)
+    for name, tensor in named.items():
+        split = _split_name(name, experts)
+        if split is None:
+            if owner.writes_dense:
+                yield name, tensor
+            continue
+        if not owner.writes_experts:
+            continue
+        prefix, module, short = split
+        for local in range(module.num_experts):
+            value = tensor if (per_param_scalar and tensor.dim() == 0) else tensor[local]
+            yield f"{prefix}.{module.expert_offset + local}.{short}", value
+
+
+def _wanted(model, name: str, reader) -> torch.Tensor:
+    """The tensor for parameter/buffer `name` of this rank's model, assembled from canonical ones."""
+    experts = _expert_modules(model)
+    split = _split_name(name, experts)
+    if split is None:
+        return reader(name)
+    prefix, module, short = split
+    return torch.stack([reader(f"{prefix}.{module.expert_offset + i}.{short}")
+                        for i in range(module.num_experts)])
+
+
+# ---- save -------------------------------------------------------------------------------------
 
 def _sha256(path: str) -> str:
     digest = hashlib.sha256()
@@ -46,51 +133,92 @@ def _fsync(path: str):
         os.close(fd)
 
 
-def _optimizer_tensors(model, optimizer) -> dict[str, torch.Tensor]:
+def _own(t: torch.Tensor, seen: set) -> torch.Tensor:
+    """A CPU tensor with storage of its own (per-expert slices and shared scalars are views)."""
+    t = t.detach().cpu().contiguous()
+    if t.untyped_storage().nbytes() != t.nbytes or t.data_ptr() in seen:
+        t = t.clone()
+    seen.add(t.data_ptr())
+    return t
+
+
+def _save(tensors: dict, path: str) -> list[str]:
+    if not tensors:
+        return []
+    seen: set = set()
+    save_file({k: _own(v, seen) for k, v in tensors.items()}, path)
+    _fsync(path)
+    return list(tensors)
+
+
+def _optimizer_state(model, optimizer) -> dict[str, torch.Tensor]:
+    """'<kind>/<param name>' -> tensor, scalars (step) as 0-d tensors."""
     names = {id(p): n for n, p in model.named_parameters()}
     out = {}
     for group in optimizer.param_groups:
         for p in group["params"]:
             for kind, value in optimizer.state.get(p, {}).items():
-                value = value if torch.is_tensor(value) else torch.tensor(value)
-                out[f"{kind}/{names[id(p)]}"] = value.detach().cpu().contiguous()
+                out[f"{kind}/{names[id(p)]}"] = value if torch.is_tensor(value) else torch.tensor(value)
     return out
 
 
-def save_checkpoint(ckpt_root: str, step: int, model, optimizer, state: dict, keep: int = 0) -> str:
-    """Writes checkpoints/step_<step> atomically; returns its path. Keeps the newest `keep` (0: all)."""
-    os.makedirs(ckpt_root, exist_ok=True)
+def save_checkpoint(ckpt_root: str, step: int, model, optimizer, state: dict, keep: int = 0,
+                    owner: Owner | None = None) -> str:
+    """Writes checkpoints/step_<step> atomically (collective when owner.world_size > 1)."""
+    owner = owner or Owner()
     final = os.path.join(ckpt_root, f"step_{step}")
     tmp = os.path.join(ckpt_root, f".step_{step}.tmp")
-    shutil.rmtree(tmp, ignore_errors=True)
-    os.makedirs(tmp)
-    model_tensors = {k: v.detach().cpu().contiguous() for k, v in model.state_dict().items()}
-    save_file(model_tensors, os.path.join(tmp, "model.safetensors"))
-    save_file(_optimizer_tensors(model, optimizer), os.path.join(tmp, "optimizer.safetensors"))
-    save_file({"torch_cpu": torch.get_rng_state()}, os.path.join(tmp, "rng.safetensors"))
-    with open(os.path.join(tmp, "state.json"), "w") as f:
-        json.dump(state, f, indent=1, sort_keys=True)
-    files = sorted(os.listdir(tmp))
-    for name in files:
-        _fsync(os.path.join(tmp, name))
-    manifest = {"step": step, "files": {name: _sha256(os.path.join(tmp, name)) for name in files}}
-    with open(os.path.join(tmp, MANIFEST), "w") as f:
-        json.dump(manifest, f, indent=1, sort_keys=True)
-    _fsync(os.path.join(tmp, MANIFEST))
-    if os.path.exists(final):  # re-saving a step: move the old one aside only once the new is whole
-        old = final + ".old"
-        shutil.rmtree(old, ignore_errors=True)
-        os.rename(final, old)
-        os.rename(tmp, final)
-        shutil.rmtree(old, ignore_errors=True)
-    else:
-        os.rename(tmp, final)
-    _fsync(ckpt_root)
-    if keep:
-        for old_step in complete_steps(ckpt_root)[:-keep]:
-            shutil.rmtree(os.path.join(ckpt_root, f"step_{old_step}"), ignore_errors=True)
+    if owner.rank == 0:
+        shutil.rmtree(tmp, ignore_errors=True)
+        os.makedirs(tmp)
+    owner.barrier()
+    tag = f"r{owner.rank:05d}"
+    model_file, optim_file = f"model-{tag}.safetensors", f"optimizer-{tag}.safetensors"
+    written = {"model": {}, "optimizer": {}}
+    names = _save(dict(canonical_items(model, model.state_dict(), owner)),
+                  os.path.join(tmp, model_file))
+    written["model"].update({n: model_file for n in names})
+    optim = {}
+    for key, value in _optimizer_state(model, optimizer).items():
+        kind, name = key.split("/", 1)
+        for canonical, tensor in canonical_items(model, {name: value}, owner, per_param_scalar=True):
+            optim[f"{kind}/{canonical}"] = tensor
+    names = _save(optim, os.path.join(tmp, optim_file))
+    written["optimizer"].update({n: optim_file for n in names})
+    _save({"torch_cpu": torch.get_rng_state()}, os.path.join(tmp, f"rng-{tag}.safetensors"))
+    everyone = owner.gather(written)
+    if owner.rank == 0:
+        index = {"model": {}, "optimizer": {}}
+        for part in everyone:
+            for kind in index:
+                index[kind].update(part[kind])
+        for name, obj in ((INDEX, index), (STATE, state)):
+            with open(os.path.join(tmp, name), "w") as f:
+                json.dump(obj, f, indent=1, sort_keys=True)
+            _fsync(os.path.join(tmp, name))
+        files = sorted(os.listdir(tmp))
+        manifest = {"step": step, "world_size": owner.world_size,
+                    "files": {name: _sha256(os.path.join(tmp, name)) for name in files}}
+        with open(os.path.join(tmp, MANIFEST), "w") as f:
+            json.dump(manifest, f, indent=1, sort_keys=True)
+        _fsync(os.path.join(tmp, MANIFEST))
+        if os.path.exists(final):  # re-saving a step: the old one goes only once the new is whole
+            old = final + ".old"
+            shutil.rmtree(old, ignore_errors=True)
+            os.rename(final, old)
+            os.rename(tmp, final)
+            shutil.rmtree(old, ignore_errors=True)
+        else:
+            os.rename(tmp, final)
+        _fsync(ckpt_root)
+        if keep:
+            for old_step in complete_steps(ckpt_root)[:-keep]:
+                shutil.rmtree(os.path.join(ckpt_root, f"step_{old_step}"), ignore_errors=True)
+    owner.barrier()
     return final
 
+
+# ---- find, verify, load ------------------------------------------------------------------------
 
 def complete_steps(ckpt_root: str) -> list[int]:
     """Steps with a committed directory holding a manifest, ascending."""
@@ -126,35 +254,84 @@ def verify_checkpoint(path: str) -> dict:
     return manifest
 
 
-def load_checkpoint(path: str, model, optimizer=None) -> dict:
-    """Restores model (and optimizer, RNG) in place after verifying; returns state.json's dict."""
-    verify_checkpoint(path)
-    tensors = load_file(os.path.join(path, "model.safetensors"))
+class _Reader:
+    def __init__(self, path: str, index: dict):
+        self.path, self.index, self.handles = path, index, {}
+
+    def __call__(self, name: str) -> torch.Tensor:
+        if name not in self.index:
+            raise CheckpointError(f"checkpoint {self.path!r} has no tensor {name!r}")
+        file = self.index[name]
+        if file not in self.handles:
+            self.handles[file] = safe_open(os.path.join(self.path, file), framework="pt")
+        return self.handles[file].get_tensor(name)
+
+
+def load_checkpoint(path: str, model, optimizer=None, owner: Owner | None = None) -> dict:
+    """Restores model (and optimizer, RNG) in place after verifying; returns state.json's dict.
+
+    Works for any layout: each rank reads the canonical tensors its shard needs.
+    """
+    owner = owner or Owner()
+    error = None
+    if owner.rank == 0:
+        try:
+            verify_checkpoint(path)
+        except CheckpointError as e:
+            error = str(e)
+    error = owner.broadcast(error)
+    if error:
+        raise CheckpointError(error)
+    with open(os.path.join(path, INDEX)) as f:
+        index = json.load(f)
+    read = _Reader(path, index["model"])
     expected = model.state_dict()
-    missing, unexpected = sorted(set(expected) - set(tensors)), sorted(set(tensors) - set(expected))
-    if missing or unexpected:
-        raise CheckpointError(f"checkpoint {path!r} does not fit the model: missing {missing[:5]}, "
-                              f"unexpected {unexpected[:5]}")
-    for name, value in tensors.items():
-        if value.shape != expected[name].shape:
+    loaded = {}
+    for name, target in expected.items():
+        value = _wanted(model, name, read)
+        if value.shape != target.shape:
             raise CheckpointError(f"checkpoint {path!r}: {name} has shape {tuple(value.shape)}, "
-                                  f"the model expects {tuple(expected[name].shape)}")
+                                  f"the model expects {tuple(target.shape)}")
+        loaded[name] = value
+    extra = set(index["model"]) - _canonical_names(model)
+    if extra:
+        raise CheckpointError(f"checkpoint {path!r} has tensors the model lacks: {sorted(extra)[:5]}")
     with torch.no_grad():
         for name, target in expected.items():
-            target.copy_(tensors[name])
+            target.copy_(loaded[name])
     if optimizer is not None:
-        _load_optimizer(load_file(os.path.join(path, "optimizer.safetensors")), model, optimizer, path)
-    torch.set_rng_state(load_file(os.path.join(path, "rng.safetensors"))["torch_cpu"])
-    with open(os.path.join(path, "state.json")) as f:
+        _load_optimizer(model, optimizer, _Reader(path, index["optimizer"]), index["optimizer"])
+    rng = os.path.join(path, f"rng-r{owner.rank:05d}.safetensors")
+    if os.path.isfile(rng):
+        with safe_open(rng, framework="pt") as f:
+            torch.set_rng_state(f.get_tensor("torch_cpu"))
+    with open(os.path.join(path, STATE)) as f:
         return json.load(f)
 
 
-def _load_optimizer(tensors, model, optimizer, path):
-    params = dict(model.named_parameters())
-    for key, value in tensors.items():
-        kind, name = key.split("/", 1)
-        if name not in params:
-            raise CheckpointError(f"checkpoint {path!r}: optimizer state for unknown parameter {name}")
-        target = params[name]
-        # AdamW keeps moments in the parameter's dtype and device; step stays a CPU float scalar.
-        optimizer.state[target][kind] = (value.to(target) if value.dim() else value.clone())
+def _canonical_names(model) -> set[str]:
+    """Every canonical name a full model of this shape has (all experts, any layout)."""
+    experts = _expert_modules(model)
+    names = set()
+    for name, tensor in model.state_dict().items():
+        split = _split_name(name, experts)
+        if split is None:
+            names.add(name)
+        else:
+            prefix, module, short = split
+            names.update(f"{prefix}.{g}.{short}" for g in range(module.num_global_experts))
+    return names
+
+
+def _load_optimizer(model, optimizer, read, index):
+    kinds = sorted({key.split("/", 1)[0] for key in index})
+    for name, param in model.named_parameters():
+        for kind in kinds:
+            if kind == "step":
+                continue
+            value = _wanted(model, name, lambda n: read(f"{kind}/{n}"))
+            optimizer.state[param][kind] = value.to(param)
+        if "step" in kinds:
+            # One step count per parameter; for experts, every expert's copy is the same.
+            step = _wanted(model, name, lambda n: read(f"step/{n}"))
+            optimizer.state[param]["step"] = step.flatten()[0].clone() if step.dim() else step

@@ -6,28 +6,71 @@ import sys
 
 __all__ = ["main"]
 
-USAGE = """moepar train CONFIG.toml [--section.key=value ...]
+USAGE = """moepar train CONFIG.toml [--nproc N] [--section.key=value ...]
        moepar bench moe-layer [--tokens N --dim D --ffn-dim F --experts E --top-k K --dtype T] [--json]"""
+
+
+def _pop_nproc(argv: list[str]) -> tuple[int, list[str]]:
+    """Removes `--nproc N` / `--nproc=N` from argv; returns (N or 1, the rest)."""
+    rest, nproc, i = [], 1, 0
+    while i < len(argv):
+        arg = argv[i]
+        if arg == "--nproc" or arg.startswith("--nproc="):
+            value = arg.split("=", 1)[1] if "=" in arg else (argv[i + 1] if i + 1 < len(argv) else "")
+            i += 1 if "=" in arg else 2
+            if not value.isdigit() or int(value) < 1:
+                raise ValueError(f"--nproc {value!r} must be a positive integer")
+            nproc = int(value)
+            continue
+        rest.append(arg)
+        i += 1
+    return nproc, rest
+
+
+def _launch(nproc: int, argv: list[str]) -> int:
+    """Starts nproc local workers with torch's elastic launcher (what torchrun runs)."""
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+    from torch.distributed.run import get_args_parser, run
+    args = get_args_parser().parse_args(["--standalone", f"--nproc_per_node={nproc}",
+                                         "--module", "moepar", "train", *argv])
+    try:
+        run(args)
+    except ChildFailedError as e:
+        print(f"moepar: a worker failed:\n{e}", file=sys.stderr)
+        return 1
+    return 0
 
 
 def _train(argv: list[str]) -> int:
     from moepar.config import load_config, to_toml
-    if not argv or argv[0].startswith("--"):
-        print(f"usage: {USAGE}", file=sys.stderr)
-        return 2
     try:
+        nproc, argv = _pop_nproc(argv)
+        if not argv or argv[0].startswith("--"):
+            print(f"usage: {USAGE}", file=sys.stderr)
+            return 2
         cfg = load_config(argv[0], argv[1:])
+        from moepar.train import build_dims
+        world = int(os.environ.get("WORLD_SIZE", nproc))
+        build_dims(cfg, world)          # layout errors here, before any process or collective
     except ValueError as e:
         print(f"moepar: config error: {e}", file=sys.stderr)
         return 2
+    if nproc > 1 and "WORLD_SIZE" not in os.environ:
+        return _launch(nproc, argv)
     from moepar.train import NonFiniteError, Trainer
-    print(to_toml(cfg), flush=True)
+    rank = int(os.environ.get("RANK", 0))
+    if rank == 0:
+        print(to_toml(cfg), flush=True)
     try:
         trainer = Trainer(cfg, log=lambda msg: print(msg, flush=True))
         trainer.run()
     except (ValueError, NonFiniteError) as e:
         print(f"moepar: {e}", file=sys.stderr)
         return 1
+    finally:
+        import torch.distributed as dist
+        if dist.is_initialized():
+            dist.destroy_process_group()
     return 0
 
 

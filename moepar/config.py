@@ -27,19 +27,32 @@ TOKEN_DTYPES = ("uint8", "uint16", "int32", "int64")
 
 @dataclass
 class ParallelConfig:
-    """Degrees of each parallelism; their product is the world size."""
-    dp: int = 1
+    """Degrees of each parallelism; pp * dp * tp is the world size, experts fold over dp * tp."""
+    dp: int = 0                  # 0: the rest of the world, world_size / (pp * tp)
     tp: int = 1
     pp: int = 1
     ep: int = 1
-    zero: int = 0    # ZeRO stage 0..3
+    zero: int = 0                # ZeRO stage 0..3
+    dispatcher: str = "alltoall"  # token dispatch under ep > 1: "alltoall" or "allgather"
+    dedup: bool = False          # alltoall: send a token once per EP rank, not once per expert
+    debug_splits: bool = False   # check all-to-all split sizes across ranks (raises, never hangs)
+    backend: str = "auto"        # process group backend: auto (nccl on CUDA, else gloo), gloo, nccl
 
     def __post_init__(self):
-        for name in ("dp", "tp", "pp", "ep"):
+        if self.dp < 0:
+            raise ValueError(f"parallel.dp={self.dp} must be >= 1, or 0 for the rest of the world")
+        for name in ("tp", "pp", "ep"):
             if getattr(self, name) < 1:
                 raise ValueError(f"parallel.{name}={getattr(self, name)} must be >= 1")
         if self.zero not in (0, 1, 2, 3):
             raise ValueError(f"parallel.zero={self.zero} is not one of 0, 1, 2, 3")
+        if self.dispatcher not in ("alltoall", "allgather"):
+            raise ValueError(f"parallel.dispatcher={self.dispatcher!r} is not one of 'alltoall', "
+                             "'allgather'")
+        if self.dedup and self.dispatcher != "alltoall":
+            raise ValueError("parallel.dedup=true needs parallel.dispatcher='alltoall'")
+        if self.backend not in ("auto", "gloo", "nccl"):
+            raise ValueError(f"parallel.backend={self.backend!r} is not one of 'auto', 'gloo', 'nccl'")
 
 
 @dataclass
@@ -58,6 +71,7 @@ class TrainConfig:
     grad_clip: float = 1.0         # max global grad norm; 0 disables clipping
     dtype: str = "float32"         # float32, bfloat16 (autocast), float64 (exact-numerics tests)
     activation_checkpointing: bool = False
+    device: str = "auto"           # auto (cuda:LOCAL_RANK when CUDA is available, else cpu), cpu, cuda
     seed: int = 0
     on_nonfinite: str = "skip"     # NaN/Inf loss or grad norm: "skip" the step or "stop" the run
 
@@ -70,6 +84,8 @@ class TrainConfig:
                              f"of train.micro_batch_size={self.micro_batch_size}")
         if self.dtype not in DTYPES:
             raise ValueError(f"train.dtype={self.dtype!r} is not one of {DTYPES}")
+        if self.device not in ("auto", "cpu", "cuda"):
+            raise ValueError(f"train.device={self.device!r} is not one of 'auto', 'cpu', 'cuda'")
         if self.on_nonfinite not in ("skip", "stop"):
             raise ValueError(f"train.on_nonfinite={self.on_nonfinite!r} is not one of 'skip', 'stop'")
         if not self.lr > 0 or not 0 <= self.min_lr_ratio <= 1:
@@ -138,6 +154,9 @@ class RunConfig:
 
     def __post_init__(self):
         check_layout(self.parallel)
+        if self.model.num_experts % self.parallel.ep:
+            raise ValueError(f"model.num_experts={self.model.num_experts} must be divisible by "
+                             f"parallel.ep={self.parallel.ep}")
         self.router.check_experts(self.model.num_experts, self.model.top_k)
         if self.train.seq_len > self.model.max_seq_len:
             raise ValueError(f"train.seq_len={self.train.seq_len} exceeds model.max_seq_len="

@@ -36,6 +36,20 @@ class StepStats:
                 router_cfg.balance_coeff * loss.balance + router_cfg.seq_balance_coeff * loss.seq_balance,
                 router_cfg.z_coeff * loss.z, loss.balance]).to(self.losses_3)
 
+    def reduce(self, group, extra: list[torch.Tensor] = ()):
+        """Sums the step's statistics (and `extra` scalars, in place) over `group` (the dp ranks),
+        in one all-reduce. Every rank calls this, MoE layers or not, in the same order."""
+        from moepar.parallel.data import all_reduce_sum
+        parts = [self.tokens_LE, self.dropped_L, self.assignments_L, self.losses_3]
+        extra = list(extra)
+        packed = [t.to(torch.float64) for t in extra]
+        all_reduce_sum(parts + packed, group)
+        for target, value in zip(extra, packed):
+            target.copy_(value)
+        if group is not None:
+            import torch.distributed as dist
+            self.num_micro_batches *= dist.get_world_size(group)
+
     def summary(self) -> dict:
         """Scalars for this step; loads are routed copies before drops."""
         num_layers = max(self.tokens_LE.shape[0], 1)
@@ -68,7 +82,8 @@ def load_heatmap(tokens_LE: torch.Tensor, cell: int = 24) -> torch.Tensor:
 class MetricsWriter:
     """Appends one JSON object per step to metrics.jsonl and mirrors it to TensorBoard."""
 
-    def __init__(self, run_dir: str, tensorboard: bool, resume_step: int = 0):
+    def __init__(self, run_dir: str, tensorboard: bool, resume_step: int = 0, ep: int = 1):
+        self.ep = ep
         self.path = os.path.join(run_dir, "metrics.jsonl")
         if resume_step and os.path.exists(self.path):
             # Steps after the checkpoint will be run again: drop their old lines, keep the earlier.
@@ -115,6 +130,14 @@ class MetricsWriter:
             drop = stats.dropped_L[layer] / stats.assignments_L[layer].clamp_min(1)
             self.tb.add_scalar(f"dropped_fraction/layer_{layer}", float(drop), step)
         self.tb.add_image("load/layer_x_expert", load_heatmap(tokens_LE), step)
+        if self.ep > 1:
+            # Which EP rank is hot: the experts of EP rank r are the r-th block of E/ep.
+            rank_load_LP = tokens_LE.view(tokens_LE.shape[0], self.ep, -1).sum(-1)
+            for layer, load_P in enumerate(rank_load_LP):
+                share = load_P / load_P.sum().clamp_min(1)
+                for r, value in enumerate(share.tolist()):
+                    self.tb.add_scalar(f"ep_rank_load/layer_{layer}/rank_{r}", value, step)
+            self.tb.add_image("load/layer_x_ep_rank", load_heatmap(rank_load_LP), step)
 
     def close(self):
         if self.tb is not None:

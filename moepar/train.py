@@ -1,8 +1,11 @@
-"""The training loop: micro-batches, gradient accumulation, clipping, AdamW, logging, checkpoints.
+"""The training loop: micro-batches, gradient accumulation, reduction, clipping, AdamW, logging,
+checkpoints; one code path for 1 and N ranks.
 
-One optimizer step = `train.global_batch_size / train.micro_batch_size` micro-batches. Each
-micro-batch's mean cross-entropy is weighted 1/num_micro_batches, and MoE aux losses are injected
-into backward with the same weight, so accumulation equals one big batch of capacity groups.
+One optimizer step = `train.global_batch_size / train.micro_batch_size` micro-batches, split over
+the dp ranks (each rank takes a contiguous block). Each micro-batch is one capacity group, so
+drops do not depend on the layout. A rank weights its micro-batches' mean cross-entropy by
+1/(its micro-batches) and MoE aux losses are injected with the same weight; averaging over dp
+then gives the mean over all micro-batches, as on one process.
 """
 
 import contextlib
@@ -12,18 +15,21 @@ import shutil
 import time
 
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 
-from moepar.checkpoint import complete_steps, latest_checkpoint, load_checkpoint, save_checkpoint
+from moepar.checkpoint import (Owner, complete_steps, latest_checkpoint, load_checkpoint,
+                               save_checkpoint)
 from moepar.config import RunConfig, to_dict, to_toml
 from moepar.data import WindowSampler, load_tokens
 from moepar.layers import TopKRouter, Transformer
 from moepar.metrics import MetricsWriter, StepStats
-from moepar.parallel import parallelize
+from moepar.parallel import ParallelDims, parallelize
+from moepar.parallel.data import all_reduce_sum, clip_grad_norm, reduce_gradients
 
-__all__ = ["Trainer", "lr_at", "NonFiniteError"]
+__all__ = ["Trainer", "lr_at", "NonFiniteError", "build_dims"]
 
-_DTYPES = {"float32": torch.float32, "bfloat16": torch.float32, "float64": torch.float64}
+_PARAM_DTYPES = {"float32": torch.float32, "bfloat16": torch.float32, "float64": torch.float64}
 
 
 class NonFiniteError(RuntimeError):
@@ -50,26 +56,71 @@ def build_optimizer(model, cfg):
                              foreach=True)
 
 
+def build_dims(cfg: RunConfig, world_size: int) -> ParallelDims:
+    """The layout for this world, validated against the batch sizes; raises before any collective."""
+    p = cfg.parallel
+    dims = ParallelDims.resolve(world_size, p.pp, p.dp, p.tp, p.ep, cfg.model.num_experts)
+    t = cfg.train
+    if t.global_batch_size % (t.micro_batch_size * dims.dp):
+        raise ValueError(f"train.global_batch_size={t.global_batch_size} must be a multiple of "
+                         f"train.micro_batch_size={t.micro_batch_size} * dp={dims.dp} (every dp "
+                         "rank runs whole micro-batches)")
+    return dims
+
+
+def _device(cfg) -> torch.device:
+    want = cfg.train.device
+    if want == "cuda" or (want == "auto" and torch.cuda.is_available()):
+        if not torch.cuda.is_available():
+            raise ValueError("train.device='cuda' but CUDA is not available")
+        return torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
+    return torch.device("cpu")
+
+
 class Trainer:
     """Builds the model, data and optimizer from a validated RunConfig; `run()` trains."""
 
     def __init__(self, cfg: RunConfig, log=print):
-        self.cfg, self.log = cfg, log
+        self.cfg = cfg
         tcfg = cfg.train
+        world_size = int(os.environ.get("WORLD_SIZE", 1))
+        self.rank = int(os.environ.get("RANK", 0))
+        self.dims = build_dims(cfg, world_size)
+        self.log = log if self.rank == 0 else (lambda _msg: None)
+        self.device = _device(cfg)
+        self.meshes = None
+        if world_size > 1:
+            if not dist.is_initialized():
+                backend = cfg.parallel.backend
+                if backend == "auto":
+                    backend = "nccl" if self.device.type == "cuda" else "gloo"
+                if self.device.type == "cuda":
+                    torch.cuda.set_device(self.device)
+                dist.init_process_group(backend)
+            self.meshes = self.dims.build_meshes(self.device.type)
+        coords = self.dims.coords(self.rank)
+        self.owner = Owner(self.rank, world_size, writes_experts=coords.edp == 0)
+        self.num_micro = tcfg.global_batch_size // tcfg.micro_batch_size
+        self.num_local_micro = self.num_micro // self.dims.dp
+        self.first_micro = coords.dp * self.num_local_micro
         self.ckpt_root = os.path.join(cfg.run.dir, "checkpoints")
         resume_path = self._resume_path()
+        # Every rank builds the full model from the same seed, then keeps its shard.
         torch.manual_seed(tcfg.seed)
-        self.model = Transformer(cfg.model, cfg.router).to(_DTYPES[tcfg.dtype])
-        parallelize(self.model, cfg.parallel, tcfg.activation_checkpointing)
-        self.model.set_aux_loss_scale(1.0 / tcfg.num_micro_batches)
+        model = Transformer(cfg.model, cfg.router).to(_PARAM_DTYPES[tcfg.dtype])
+        self.model = parallelize(model, cfg.parallel, self.dims, self.meshes, self.rank,
+                                 tcfg.activation_checkpointing).to(self.device)
+        self.model.set_aux_loss_scale(1.0 / self.num_local_micro)
         self.optimizer = build_optimizer(self.model, tcfg)
         self.sampler = WindowSampler(load_tokens(cfg.data), tcfg.seq_len, tcfg.micro_batch_size,
                                      tcfg.seed, cfg.model.vocab_size, name=f"data.source={cfg.data.source}")
         self.step = 0
         if resume_path:
-            state = load_checkpoint(resume_path, self.model, self.optimizer)
+            state = load_checkpoint(resume_path, self.model, self.optimizer, self.owner)
             self.step, self.sampler.position = state["step"], state["data_position"]
             self.log(f"resumed from {resume_path} at step {self.step}")
+        self.log(f"layout: {self.dims.describe()}; {self.num_local_micro} micro-batch(es) of "
+                 f"{tcfg.micro_batch_size} per rank per step; device {self.device}")
 
     def _resume_path(self) -> str | None:
         """The checkpoint to resume from, or None; refuses to clobber an earlier run by accident."""
@@ -84,36 +135,43 @@ class Trainer:
                              "pass --run.resume=true to continue it, --run.overwrite=true to "
                              "replace it, or choose another run.dir")
         if existing:
-            shutil.rmtree(self.ckpt_root)
+            self.owner.barrier()       # every rank has seen the old checkpoints before they go
+            if self.rank == 0:
+                shutil.rmtree(self.ckpt_root)
+            self.owner.barrier()
         return None
 
     def _autocast(self):
         if self.cfg.train.dtype == "bfloat16":
-            return torch.autocast("cpu" if not torch.cuda.is_available() else "cuda",
-                                  dtype=torch.bfloat16)
+            return torch.autocast(self.device.type, dtype=torch.bfloat16)
         return contextlib.nullcontext()
 
     def _micro_batch(self, inputs_BS, targets_BS, stats: StepStats):
+        inputs_BS, targets_BS = inputs_BS.to(self.device), targets_BS.to(self.device)
         with self._autocast():
             logits_BSV, moe_outputs = self.model(inputs_BS)
         logits_BSV = logits_BSV.to(torch.promote_types(logits_BSV.dtype, torch.float32))
         loss = F.cross_entropy(logits_BSV.flatten(0, 1), targets_BS.flatten())
-        (loss / self.cfg.train.num_micro_batches).backward()
+        (loss / self.num_local_micro).backward()
         stats.add(moe_outputs, self.cfg.router)
         return loss.detach()
 
     def train_step(self) -> dict:
-        """One optimizer step over num_micro_batches micro-batches; returns its metrics record."""
+        """One optimizer step over this rank's micro-batches; returns the global metrics record."""
         tcfg, model = self.cfg.train, self.model
         start = time.perf_counter()
-        stats = StepStats(len(model.moe_layers()), self.cfg.model.num_experts)
-        loss_sum = torch.zeros((), dtype=torch.float64)
-        for _ in range(tcfg.num_micro_batches):
-            loss_sum += self._micro_batch(*self.sampler.next(), stats)
+        stats = StepStats(len(model.moe_layers()), self.cfg.model.num_experts, self.device)
+        loss_sum = torch.zeros((), dtype=torch.float64, device=self.device)
+        base = self.sampler.position + self.first_micro
+        for i in range(self.num_local_micro):
+            loss_sum += self._micro_batch(*self.sampler.batch(base + i), stats)
+        self.sampler.position += self.num_micro
+        reduce_gradients(model, self.meshes, self.dims)
+        # Statistics and the loss of all dp ranks, in one all-reduce every rank issues.
+        stats.reduce(self.meshes.group("dp") if self.meshes else None, extra=[loss_sum])
         max_norm = tcfg.grad_clip if tcfg.grad_clip > 0 else float("inf")
-        grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm, foreach=True)
-        loss = float(loss_sum) / tcfg.num_micro_batches
-        grad_norm = float(grad_norm)
+        grad_norm = float(clip_grad_norm(model, max_norm, self.meshes))
+        loss = float(loss_sum) / self.num_micro
         self.step += 1
         lr = lr_at(self.step, tcfg)
         skipped = not (math.isfinite(loss) and math.isfinite(grad_norm))
@@ -151,23 +209,28 @@ class Trainer:
         return torch.stack([r.expert_bias_E for r in routers])
 
     def save(self) -> str:
-        state = {"step": self.step, "data_position": self.sampler.position, "config": to_dict(self.cfg)}
+        state = {"step": self.step, "data_position": self.sampler.position, "config": to_dict(self.cfg),
+                 "layout": self.dims.describe()}
         return save_checkpoint(self.ckpt_root, self.step, self.model, self.optimizer, state,
-                               keep=self.cfg.run.keep_checkpoints)
+                               keep=self.cfg.run.keep_checkpoints, owner=self.owner)
 
     def run(self) -> list[dict]:
         """Trains to train.steps, logging and checkpointing; returns this call's records."""
         cfg = self.cfg
-        os.makedirs(cfg.run.dir, exist_ok=True)
-        with open(os.path.join(cfg.run.dir, "config.toml"), "w") as f:
-            f.write(to_toml(cfg))
-        writer = MetricsWriter(cfg.run.dir, cfg.run.tensorboard, resume_step=self.step)
+        writer = None
+        if self.rank == 0:
+            os.makedirs(cfg.run.dir, exist_ok=True)
+            with open(os.path.join(cfg.run.dir, "config.toml"), "w") as f:
+                f.write(to_toml(cfg))
+            writer = MetricsWriter(cfg.run.dir, cfg.run.tensorboard, resume_step=self.step,
+                                   ep=self.dims.ep)
         records = []
         try:
             while self.step < cfg.train.steps:
                 record = self.train_step()
                 records.append(record)
-                writer.write(record, self.last_stats, self.expert_bias_LE())
+                if writer is not None:
+                    writer.write(record, self.last_stats, self.expert_bias_LE())
                 if cfg.run.log_every and (self.step % cfg.run.log_every == 0 or self.step == 1
                                           or self.step == cfg.train.steps):
                     self.log(progress_line(record, cfg.train.steps))
@@ -177,7 +240,8 @@ class Trainer:
                     if self.step == cfg.train.steps:
                         self.log(f"saved {path}")
         finally:
-            writer.close()
+            if writer is not None:
+                writer.close()
         return records
 
 

@@ -248,18 +248,23 @@ def test_dim_not_divisible_by_heads():
 
 
 @pytest.mark.parametrize("overrides, named", [
-    (["--parallel.dp=2"], ["parallel.dp=2"]),
     (["--parallel.tp=2"], ["parallel.tp=2"]),
     (["--parallel.pp=4"], ["parallel.pp=4"]),
-    (["--parallel.ep=8"], ["parallel.ep=8"]),
     (["--parallel.zero=1"], ["parallel.zero=1"]),
-    (["--parallel.dp=2", "--parallel.ep=4"], ["parallel.dp=2", "parallel.ep=4"]),
+    (["--parallel.tp=2", "--parallel.zero=2"], ["parallel.tp=2", "parallel.zero=2"]),
 ])
-def test_parallel_degrees_refused(overrides, named):
+def test_parallel_degrees_not_in_this_version_refused(overrides, named):
     with pytest.raises(ValueError, match=re.escape(named[0])) as e:
         load_config(None, overrides)
     for n in named:
         assert n in str(e.value)
+
+
+def test_expert_and_data_parallel_degrees_accepted_and_checked_against_experts():
+    cfg = load_config(None, ["--parallel.ep=4", "--parallel.dp=4", "--model.num_experts=8"])
+    assert (cfg.parallel.ep, cfg.parallel.dp) == (4, 4)
+    with pytest.raises(ValueError, match=r"model\.num_experts=6.*parallel\.ep=4"):
+        load_config(None, ["--parallel.ep=4", "--model.num_experts=6", "--model.top_k=2"])
 
 
 def test_parallel_degree_below_one():

@@ -140,8 +140,13 @@ def test_run_directory_and_checkpoint_files(tmp_path):
     ckpts = sorted(os.listdir(tmp_path / "checkpoints"))
     assert ckpts == ["step_4"], ckpts
     files = sorted(os.listdir(tmp_path / "checkpoints" / "step_4"))
-    assert files == ["manifest.json", "model.safetensors", "optimizer.safetensors",
-                     "rng.safetensors", "state.json"]
+    assert files == ["index.json", "manifest.json", "model-r00000.safetensors",
+                     "optimizer-r00000.safetensors", "rng-r00000.safetensors", "state.json"]
+    index = json.loads((tmp_path / "checkpoints" / "step_4" / "index.json").read_text())
+    # Layout-free names: experts by global id, no stacked [E, ...] tensors.
+    assert "layers.0.ffn.experts.3.w_in" in index["model"]
+    assert "exp_avg/layers.1.ffn.experts.0.w_out" in index["optimizer"]
+    assert not any("w_in_EDH" in name for name in index["model"])
     assert not any(f.endswith(".pt") or f.endswith(".bin") for f in files)
 
 
@@ -154,11 +159,11 @@ def test_interrupted_checkpoint_is_never_loaded(tmp_path):
     (root / ".step_9.tmp" / "model.safetensors").write_bytes(b"partial")
     assert latest_checkpoint(str(root)).endswith("step_2")
     # A committed checkpoint whose file was altered is refused, naming the file.
-    model_file = root / "step_2" / "model.safetensors"
+    model_file = root / "step_2" / "model-r00000.safetensors"
     data = bytearray(model_file.read_bytes())
     data[-1] ^= 0xFF
     model_file.write_bytes(bytes(data))
-    with pytest.raises(CheckpointError, match="model.safetensors"):
+    with pytest.raises(CheckpointError, match="model-r00000.safetensors"):
         load_checkpoint(str(root / "step_2"), trainer.model)
 
 
