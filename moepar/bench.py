@@ -8,6 +8,7 @@ alternately in one run, so machine noise hits them alike; medians are reported.
 
 import argparse
 import json
+import os
 import statistics
 import time
 
@@ -80,28 +81,70 @@ def bench_moe_layer(tokens=4096, dim=512, ffn_dim=1024, experts=8, top_k=2, dtyp
             "naive_ratio_vs_ideal": med["naive"] / med["ideal"]}
 
 
+def _print_dispatch(result: dict):
+    print(f"dispatch ep={result['ep']} T={result['tokens_per_rank']}/rank D={result['dim']} "
+          f"E={result['experts']} k={result['top_k']} {result['dtype']}; minimum "
+          f"{result['min_bytes_per_token']:.0f} bytes/token (k*D*bytes*(ep-1)/ep, both ways)")
+    print(f"  {'dispatcher':16s} {'ms':>8s} {'bytes/token':>12s} {'vs min':>7s} {'incl. ids':>10s} "
+          f"{'comm share':>10s}")
+    for name, c in result["cases"].items():
+        share = "-" if c["comm_share"] is None else f"{100 * c['comm_share']:.0f}%"
+        print(f"  {name:16s} {c['ms']:8.1f} {c['bytes_per_token_hidden']:12.0f} {c['vs_minimum']:7.3f} "
+              f"{c['bytes_per_token_all']:10.0f} {share:>10s}")
+
+
 def main(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(prog="moepar bench")
-    parser.add_argument("what", choices=["moe-layer"])
-    parser.add_argument("--tokens", type=int, default=4096)
+    parser.add_argument("what", choices=["moe-layer", "dispatch"])
+    parser.add_argument("--tokens", type=int, default=4096, help="tokens (per rank under --ep)")
     parser.add_argument("--dim", type=int, default=512)
     parser.add_argument("--ffn-dim", type=int, default=1024)
     parser.add_argument("--experts", type=int, default=8)
     parser.add_argument("--top-k", type=int, default=2)
     parser.add_argument("--dtype", choices=list(_DTYPES), default="float32")
+    parser.add_argument("--ep", type=int, default=1, help="expert-parallel processes (local, gloo)")
     parser.add_argument("--repeats", type=int, default=11)
     parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--json", action="store_true", help="print one JSON object")
     args = parser.parse_args(argv)
+    if args.what == "dispatch" and args.ep < 2:
+        parser.error("dispatch needs --ep >= 2")
+    if args.ep > 1 or args.what == "dispatch":
+        return _main_ep(args, argv)
     result = bench_moe_layer(args.tokens, args.dim, args.ffn_dim, args.experts, args.top_k,
                              args.dtype, args.repeats, args.warmup)
     if args.json:
         print(json.dumps(result))
     else:
-        print(f"moe-layer T={args.tokens} D={args.dim} F={args.ffn_dim} E={args.experts} "
-              f"k={args.top_k} {args.dtype}, {result['threads']} threads, median of {args.repeats}:")
-        print(f"  moe   {result['moe_ms']:9.1f} ms   ratio vs ideal {result['ratio_vs_ideal']:.3f} "
-              f"(median of paired ratios {result['paired_ratio_vs_ideal']:.3f})")
-        print(f"  ideal {result['ideal_ms']:9.1f} ms")
+        _print_layer(result, args)
+    return 0
+
+
+def _print_layer(result: dict, args):
+    where = f"ep={args.ep}, 1 thread per rank, T per rank" if args.ep > 1 else \
+        f"{result.get('threads', 1)} threads"
+    print(f"moe-layer T={args.tokens} D={args.dim} F={args.ffn_dim} E={args.experts} "
+          f"k={args.top_k} {args.dtype}, {where}, median of {args.repeats}:")
+    print(f"  moe   {result['moe_ms']:9.1f} ms   ratio vs ideal {result['ratio_vs_ideal']:.3f} "
+          f"(median of paired ratios {result['paired_ratio_vs_ideal']:.3f})")
+    print(f"  ideal {result['ideal_ms']:9.1f} ms")
+    if "naive_ms" in result:
         print(f"  naive {result['naive_ms']:9.1f} ms   ratio vs ideal {result['naive_ratio_vs_ideal']:.3f}")
+
+
+def _main_ep(args, argv: list[str]) -> int:
+    from moepar import bench_ep
+    if not bench_ep.launched():
+        from moepar.cli import launch
+        return launch(args.ep, ["bench", *argv])
+    if args.experts % args.ep:
+        raise SystemExit(f"--experts {args.experts} must be divisible by --ep {args.ep}")
+    result = bench_ep.worker_main(args, _DTYPES[args.dtype])
+    if int(os.environ.get("RANK", 0)) == 0:
+        if args.json:
+            print(json.dumps(result), flush=True)
+        elif args.what == "dispatch":
+            _print_dispatch(result)
+        else:
+            _print_layer(result, args)
     return 0

@@ -7,7 +7,8 @@ import sys
 __all__ = ["main"]
 
 USAGE = """moepar train CONFIG.toml [--nproc N] [--section.key=value ...]
-       moepar bench moe-layer [--tokens N --dim D --ffn-dim F --experts E --top-k K --dtype T] [--json]"""
+       moepar bench moe-layer [--tokens N --dim D --ffn-dim F --experts E --top-k K --dtype T] [--ep N] [--json]
+       moepar bench dispatch --ep N [--tokens N --dim D --experts E --top-k K --dtype T] [--json]"""
 
 
 def _pop_nproc(argv: list[str]) -> tuple[int, list[str]]:
@@ -27,12 +28,12 @@ def _pop_nproc(argv: list[str]) -> tuple[int, list[str]]:
     return nproc, rest
 
 
-def _launch(nproc: int, argv: list[str]) -> int:
-    """Starts nproc local workers with torch's elastic launcher (what torchrun runs)."""
+def launch(nproc: int, argv: list[str]) -> int:
+    """Runs `moepar <argv>` in nproc local workers with torch's elastic launcher (torchrun's)."""
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.run import get_args_parser, run
     args = get_args_parser().parse_args(["--standalone", f"--nproc_per_node={nproc}",
-                                         "--module", "moepar", "train", *argv])
+                                         "--module", "moepar", *argv])
     try:
         run(args)
     except ChildFailedError as e:
@@ -56,7 +57,7 @@ def _train(argv: list[str]) -> int:
         print(f"moepar: config error: {e}", file=sys.stderr)
         return 2
     if nproc > 1 and "WORLD_SIZE" not in os.environ:
-        return _launch(nproc, argv)
+        return launch(nproc, ["train", *argv])
     from moepar.train import NonFiniteError, Trainer
     rank = int(os.environ.get("RANK", 0))
     if rank == 0:

@@ -47,15 +47,20 @@ def all_to_all(x, out_splits: list[int], in_splits: list[int], group):
     return _AllToAll.apply(x, out_splits, in_splits, group)
 
 
+# torch 2.13 renamed these (the old names warn); older torch has only the old ones.
+_all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+_reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+
+
 def _gather(x, group):
     out = x.new_empty((group_size(group) * x.shape[0],) + tuple(x.shape[1:]))
-    dist.all_gather_into_tensor(out, x.contiguous(), group=group)
+    _all_gather_single(out, x.contiguous(), group=group)
     return out
 
 
 def _reduce_scatter(x, group):
     out = x.new_empty((x.shape[0] // group_size(group),) + tuple(x.shape[1:]))
-    dist.reduce_scatter_tensor(out, x.contiguous(), op=dist.ReduceOp.SUM, group=group)
+    _reduce_scatter_single(out, x.contiguous(), op=dist.ReduceOp.SUM, group=group)
     return out
 
 

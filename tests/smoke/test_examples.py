@@ -46,3 +46,40 @@ def test_bench_moe_layer_json():
     record = json.loads(result.stdout)
     for key in ("moe_ms", "ideal_ms", "naive_ms", "ratio_vs_ideal"):
         assert record[key] > 0
+
+
+def test_nproc_launcher_trains_with_expert_parallelism(tmp_path):
+    """The README's multi-process command: torch's launcher, 2 workers, ep=2, same first loss."""
+    single = moepar("train", str(ROOT / "examples" / "tiny.toml"), "--train.steps=2",
+                    "--run.log_every=1", f"--run.dir={tmp_path / 'one'}")
+    assert single.returncode == 0, single.stderr[-3000:]
+    result = moepar("train", str(ROOT / "examples" / "tiny.toml"), "--nproc", "2",
+                    "--parallel.ep=2", "--train.steps=2", "--run.log_every=1",
+                    f"--run.dir={tmp_path / 'two'}")
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "ep 2" in result.stdout
+    one = [json.loads(l) for l in (tmp_path / "one" / "metrics.jsonl").read_text().splitlines()]
+    two = [json.loads(l) for l in (tmp_path / "two" / "metrics.jsonl").read_text().splitlines()]
+    # float32 sums in another order: equal to float32 precision, not bit for bit
+    for a, b in zip(one, two):
+        assert abs(a["loss"] - b["loss"]) < 1e-4 * a["loss"], (a["loss"], b["loss"])
+    index = json.loads((tmp_path / "two" / "checkpoints" / "step_2" / "index.json").read_text())
+    assert {f for f in index["model"].values()} == {"model-r00000.safetensors", "model-r00001.safetensors"}
+
+
+def test_bad_layout_fails_before_launching(tmp_path):
+    result = moepar("train", str(ROOT / "examples" / "tiny.toml"), "--nproc", "3",
+                    "--parallel.ep=2", f"--run.dir={tmp_path}")
+    assert result.returncode == 2
+    assert "parallel.ep=2" in result.stderr and "dp * parallel.tp" in result.stderr
+
+
+def test_bench_dispatch_json():
+    result = moepar("bench", "dispatch", "--ep=2", "--tokens=64", "--dim=16", "--experts=4",
+                    "--repeats=1", "--warmup=0", "--json")
+    assert result.returncode == 0, result.stderr[-3000:]
+    record = json.loads(result.stdout.strip().splitlines()[-1])
+    cases = record["cases"]
+    assert set(cases) == {"alltoall", "alltoall+dedup", "allgather"}
+    # every kept copy crosses once each way at most, dedup never sends more hidden bytes
+    assert cases["alltoall+dedup"]["bytes_per_token_hidden"] <= cases["alltoall"]["bytes_per_token_hidden"]

@@ -1,0 +1,166 @@
+"""Expert-parallel benchmarks over N local processes (gloo, one thread each).
+
+`moepar bench dispatch --ep N`: forward + backward of one EP MoE layer with each dispatcher; the
+bytes the forward's all-to-alls put on the wire (rows to other ranks only, counted from the real
+split sizes; dispatch and combine) per token, against the minimum for top-k routing,
+k * dim * bytes * (ep-1)/ep each way (backward moves the same again); and the share of the
+forward + backward time spent inside all-to-all calls.
+
+`moepar bench moe-layer --ep N`: each rank's EP MoE layer against its dense floor (the ideal FFN
+on its own tokens * k rows), alternately; a repeat costs what the slowest rank took.
+"""
+
+import contextlib
+import os
+import statistics
+import time
+
+import torch
+import torch.distributed as dist
+
+from moepar.layers import FeedForward, MoE
+from moepar.parallel.dims import ParallelDims
+from moepar.parallel.expert import apply_ep
+
+__all__ = ["worker_main"]
+
+
+class _Meter:
+    def __init__(self):
+        self.seconds = 0.0
+        self.float_bytes = 0
+        self.int_bytes = 0
+
+
+@contextlib.contextmanager
+def metered_all_to_all(meter: _Meter):
+    """Counts remote bytes and wall time of every all_to_all_single while active."""
+    real = dist.all_to_all_single
+
+    def wrapped(output, input, output_split_sizes=None, input_split_sizes=None, group=None,
+                async_op=False):
+        start = time.perf_counter()
+        result = real(output, input, output_split_sizes, input_split_sizes, group=group,
+                      async_op=async_op)
+        meter.seconds += time.perf_counter() - start
+        size, me = dist.get_world_size(group), dist.get_rank(group)
+        rows = input.shape[0]
+        splits = input_split_sizes or [rows // size] * size
+        row_bytes = (input[0].numel() if rows else 0) * input.element_size()
+        remote = sum(s for j, s in enumerate(splits) if j != me) * row_bytes
+        if input.is_floating_point():
+            meter.float_bytes += remote
+        else:
+            meter.int_bytes += remote
+        return result
+
+    dist.all_to_all_single = wrapped
+    try:
+        yield meter
+    finally:
+        dist.all_to_all_single = real
+
+
+def _setup(ep: int, experts: int):
+    torch.set_num_threads(1)
+    if not dist.is_initialized():
+        dist.init_process_group("gloo")
+    rank, world = dist.get_rank(), dist.get_world_size()
+    dims = ParallelDims.resolve(world, ep=ep, num_experts=experts)
+    return rank, dims, dims.build_meshes("cpu")
+
+
+def _moe(args, dtype, rank, dims, meshes, dispatcher="alltoall", dedup=False):
+    torch.manual_seed(0)   # same router and experts on every rank before sharding
+    moe = MoE(args.dim, args.ffn_dim, args.experts, args.top_k, aux_loss_scale=1.0,
+              balance_coeff=0.01).to(dtype)
+    return apply_ep(moe, dims, meshes, rank, dispatcher, dedup)
+
+
+def bench_dispatch(args, dtype) -> dict:
+    rank, dims, meshes = _setup(args.ep, args.experts)
+    gen = torch.Generator().manual_seed(1000 + rank)
+    x = torch.randn(args.tokens, args.dim, dtype=dtype, generator=gen, requires_grad=True)
+    grad = torch.randn(args.tokens, args.dim, dtype=dtype, generator=gen)
+    esize = torch.tensor([], dtype=dtype).element_size()
+    minimum = 2 * args.top_k * args.dim * esize * (args.ep - 1) / args.ep
+    out = {"ep": args.ep, "tokens_per_rank": args.tokens, "dim": args.dim, "experts": args.experts,
+           "top_k": args.top_k, "dtype": args.dtype, "min_bytes_per_token": minimum, "cases": {}}
+    for name, dispatcher, dedup in (("alltoall", "alltoall", False), ("alltoall+dedup", "alltoall", True),
+                                    ("allgather", "allgather", False)):
+        moe = _moe(args, dtype, rank, dims, meshes, dispatcher, dedup)
+        times, shares, floats, ints = [], [], [], []
+        for rep in range(args.warmup + args.repeats):
+            x.grad = None
+            dist.barrier()
+            fwd, bwd = _Meter(), _Meter()
+            start = time.perf_counter()
+            with metered_all_to_all(fwd):        # bytes: forward = dispatch + combine, once each
+                y = moe(x).y
+            with metered_all_to_all(bwd):
+                y.backward(grad)
+            elapsed = time.perf_counter() - start
+            if rep >= args.warmup:
+                times.append(elapsed)
+                shares.append((fwd.seconds + bwd.seconds) / elapsed)
+                floats.append(fwd.float_bytes)
+                ints.append(fwd.int_bytes)
+        # Bytes per token over the whole EP group (every rank's remote traffic, dispatch + combine).
+        totals = torch.tensor([statistics.median(floats), statistics.median(ints)], dtype=torch.float64)
+        dist.all_reduce(totals)
+        group_tokens = args.tokens * dist.get_world_size()
+        if dispatcher == "allgather":   # all_gather + reduce_scatter of every token, by formula
+            totals[0] = 2 * args.tokens * (args.ep - 1) * args.dim * esize * dist.get_world_size()
+        out["cases"][name] = {
+            "ms": statistics.median(times) * 1000,
+            "bytes_per_token_hidden": float(totals[0]) / group_tokens,
+            "bytes_per_token_all": float(totals.sum()) / group_tokens,
+            "vs_minimum": float(totals[0]) / group_tokens / minimum if minimum else 0.0,
+            "comm_share": statistics.median(shares) if dispatcher != "allgather" else None,
+        }
+    return out
+
+
+def bench_moe_layer_ep(args, dtype) -> dict:
+    rank, dims, meshes = _setup(args.ep, args.experts)
+    moe = _moe(args, dtype, rank, dims, meshes)
+    ideal = FeedForward(args.dim, args.ffn_dim).to(dtype)
+    gen = torch.Generator().manual_seed(1000 + rank)
+    x = torch.randn(args.tokens, args.dim, dtype=dtype, generator=gen, requires_grad=True)
+    grad = torch.randn(args.tokens, args.dim, dtype=dtype, generator=gen)
+    rows = torch.randn(args.tokens * args.top_k, args.dim, dtype=dtype, generator=gen, requires_grad=True)
+    grad_rows = torch.randn(args.tokens * args.top_k, args.dim, dtype=dtype, generator=gen)
+    cases = {"moe": lambda: moe(x).y.backward(grad), "ideal": lambda: ideal(rows).backward(grad_rows)}
+    times = {name: [] for name in cases}
+    for rep in range(args.warmup + args.repeats):
+        for name, fn in cases.items():
+            for p in list(moe.parameters()) + list(ideal.parameters()) + [x, rows]:
+                p.grad = None
+            dist.barrier()
+            start = time.perf_counter()
+            fn()
+            elapsed = torch.tensor(time.perf_counter() - start, dtype=torch.float64)
+            dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)   # a step is as slow as its slowest rank
+            if rep >= args.warmup:
+                times[name].append(float(elapsed) * 1000)
+    med = {name: statistics.median(ts) for name, ts in times.items()}
+    paired = statistics.median(m / i for m, i in zip(times["moe"], times["ideal"]))
+    return {"ep": args.ep, "tokens_per_rank": args.tokens, "dim": args.dim, "ffn_dim": args.ffn_dim,
+            "experts": args.experts, "top_k": args.top_k, "dtype": args.dtype, "threads_per_rank": 1,
+            "repeats": args.repeats, "moe_ms": med["moe"], "ideal_ms": med["ideal"],
+            "ratio_vs_ideal": med["moe"] / med["ideal"], "paired_ratio_vs_ideal": paired}
+
+
+def worker_main(args, dtype) -> dict:
+    """Runs on every rank (started by the launcher); returns the result (rank 0 prints it)."""
+    try:
+        if args.what == "dispatch":
+            return bench_dispatch(args, dtype)
+        return bench_moe_layer_ep(args, dtype)
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def launched() -> bool:
+    return "WORLD_SIZE" in os.environ
