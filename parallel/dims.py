@@ -59,6 +59,9 @@ class ParallelDims:
     def resolve(cls, world_size: int, pp: int = 1, dp: int = 0, tp: int = 1, ep: int = 1,
                 num_experts: int | None = None) -> "ParallelDims":
         """dp=0 means "the rest": world_size / (pp * tp)."""
+        for name, value in (("pp", pp), ("tp", tp)):
+            if value < 1:
+                raise ValueError(f"parallel.{name}={value} must be >= 1")
         if dp == 0:
             if world_size % (pp * tp):
                 raise ValueError(f"world size {world_size} is not divisible by parallel.pp={pp} "
