@@ -8,7 +8,7 @@ rotary position embeddings (rotate-half convention, as Llama/Mixtral/Qwen) and g
 through SDPA. A layer is MoE when its index i >= first_k_dense and (i - first_k_dense) % moe_every == 0.
 """
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
@@ -18,7 +18,9 @@ from .experts import ACTIVATIONS, FeedForward
 from .moe import MoE
 from .router import RouterConfig
 
-__all__ = ["ModelConfig", "Transformer", "Attention", "RMSNorm", "Block"]
+__all__ = ["ModelConfig", "Transformer", "Attention", "RMSNorm", "Block", "QK_NORMS"]
+
+QK_NORMS = ("none", "head", "full")
 
 
 @dataclass
@@ -35,11 +37,15 @@ class ModelConfig:
     num_experts: int = 8
     top_k: int = 2
     first_k_dense: int = 0         # the first k layers are dense
-    moe_every: int = 1             # after those, every n-th layer is MoE
+    moe_every: int = 1             # after those, every n-th layer is MoE ...
+    moe_offset: int = 0            # ... starting at this one (Qwen's decoder_sparse_step s: s-1)
+    dense_layers: list[int] = field(default_factory=list)  # also dense (Qwen's mlp_only_layers)
     num_shared_experts: int = 0
     shared_ffn_dim: int = 0        # 0: moe_ffn_dim
     shared_gate: bool = False      # Qwen2-MoE sigmoid gate on the shared experts
     activation: str = "swiglu"
+    attention_bias: bool = False   # biases on the q, k, v projections (Qwen2-MoE)
+    qk_norm: str = "none"          # RMSNorm on q and k: "head" (per head, Qwen3) or "full" (OLMoE)
     tie_embeddings: bool = False
     max_seq_len: int = 256
     rope_theta: float = 10000.0
@@ -56,6 +62,15 @@ class ModelConfig:
                 raise ValueError(f"model.{name}={getattr(self, name)} must be >= 0")
         if self.activation not in ACTIVATIONS:
             raise ValueError(f"model.activation={self.activation!r} is not one of {ACTIVATIONS}")
+        if self.qk_norm not in QK_NORMS:
+            raise ValueError(f"model.qk_norm={self.qk_norm!r} is not one of {QK_NORMS}")
+        if not 0 <= self.moe_offset < self.moe_every:
+            raise ValueError(f"model.moe_offset={self.moe_offset} must be in [0, model.moe_every="
+                             f"{self.moe_every})")
+        bad = [i for i in self.dense_layers if not 0 <= i < self.num_layers]
+        if bad:
+            raise ValueError(f"model.dense_layers={self.dense_layers} has layers outside "
+                             f"[0, model.num_layers={self.num_layers}): {bad}")
         if not self.head_dim and self.dim % self.num_heads:
             raise ValueError(f"model.dim={self.dim} must be divisible by model.num_heads="
                              f"{self.num_heads} (or set model.head_dim)")
@@ -72,7 +87,8 @@ class ModelConfig:
         return self.head_dim or self.dim // self.num_heads
 
     def is_moe_layer(self, i: int) -> bool:
-        return i >= self.first_k_dense and (i - self.first_k_dense) % self.moe_every == 0
+        return (i >= self.first_k_dense and i not in self.dense_layers
+                and (i - self.first_k_dense) % self.moe_every == self.moe_offset)
 
 
 class RMSNorm(nn.Module):
@@ -100,25 +116,40 @@ def apply_rotary(x_BHSd, cos_SHd, sin_SHd):
 
 
 class Attention(nn.Module):
+    """Causal grouped-query attention with RoPE; optional q/k/v biases and q/k RMSNorm."""
+
     def __init__(self, cfg: ModelConfig, out_init_std: float):
         super().__init__()
         hd = cfg.head_dim_resolved
         self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_heads, cfg.num_kv_heads, hd
-        self.q_proj = nn.Linear(cfg.dim, cfg.num_heads * hd, bias=False)
-        self.k_proj = nn.Linear(cfg.dim, cfg.num_kv_heads * hd, bias=False)
-        self.v_proj = nn.Linear(cfg.dim, cfg.num_kv_heads * hd, bias=False)
+        bias = cfg.attention_bias
+        self.q_proj = nn.Linear(cfg.dim, cfg.num_heads * hd, bias=bias)
+        self.k_proj = nn.Linear(cfg.dim, cfg.num_kv_heads * hd, bias=bias)
+        self.v_proj = nn.Linear(cfg.dim, cfg.num_kv_heads * hd, bias=bias)
         self.o_proj = nn.Linear(cfg.num_heads * hd, cfg.dim, bias=False)
         for lin in (self.q_proj, self.k_proj, self.v_proj):
             nn.init.normal_(lin.weight, std=cfg.init_std)
+            if bias:
+                nn.init.zeros_(lin.bias)
         nn.init.normal_(self.o_proj.weight, std=out_init_std)
+        self.qk_norm = cfg.qk_norm
+        if cfg.qk_norm != "none":
+            # "head": one weight of head_dim shared by all heads; "full": over all heads' features.
+            q_dim, k_dim = (hd, hd) if cfg.qk_norm == "head" else (cfg.num_heads * hd, cfg.num_kv_heads * hd)
+            self.q_norm, self.k_norm = RMSNorm(q_dim, cfg.norm_eps), RMSNorm(k_dim, cfg.norm_eps)
 
     def forward(self, x_BSD, cos_SHd, sin_SHd):
         batch, seq, _ = x_BSD.shape
-        q_BHSd = self.q_proj(x_BSD).view(batch, seq, -1, self.head_dim).transpose(1, 2)
-        k_BGSd = self.k_proj(x_BSD).view(batch, seq, -1, self.head_dim).transpose(1, 2)
-        v_BGSd = self.v_proj(x_BSD).view(batch, seq, -1, self.head_dim).transpose(1, 2)
-        q_BHSd = apply_rotary(q_BHSd, cos_SHd, sin_SHd)
-        k_BGSd = apply_rotary(k_BGSd, cos_SHd, sin_SHd)
+        q, k, v = self.q_proj(x_BSD), self.k_proj(x_BSD), self.v_proj(x_BSD)
+        if self.qk_norm == "full":
+            q, k = self.q_norm(q), self.k_norm(k)
+        q_BSHd = q.view(batch, seq, -1, self.head_dim)
+        k_BSGd = k.view(batch, seq, -1, self.head_dim)
+        if self.qk_norm == "head":
+            q_BSHd, k_BSGd = self.q_norm(q_BSHd), self.k_norm(k_BSGd)
+        q_BHSd = apply_rotary(q_BSHd.transpose(1, 2), cos_SHd, sin_SHd)
+        k_BGSd = apply_rotary(k_BSGd.transpose(1, 2), cos_SHd, sin_SHd)
+        v_BGSd = v.view(batch, seq, -1, self.head_dim).transpose(1, 2)
         o_BHSd = F.scaled_dot_product_attention(
             q_BHSd, k_BGSd, v_BGSd, is_causal=True,
             enable_gqa=self.num_kv_heads != self.num_heads)

@@ -34,7 +34,7 @@ from safetensors.torch import save_file
 from moepar.layers.experts import GroupedExperts
 
 __all__ = ["save_checkpoint", "load_checkpoint", "latest_checkpoint", "complete_steps",
-           "verify_checkpoint", "CheckpointError", "Owner"]
+           "verify_checkpoint", "commit", "CheckpointError", "Owner", "canonical_items"]
 
 MANIFEST, INDEX, STATE = "manifest.json", "index.json", "state.json"
 _STEP_DIR = re.compile(r"^step_(\d+)$")
@@ -196,26 +196,34 @@ def save_checkpoint(ckpt_root: str, step: int, model, optimizer, state: dict, ke
             with open(os.path.join(tmp, name), "w") as f:
                 json.dump(obj, f, indent=1, sort_keys=True)
             _fsync(os.path.join(tmp, name))
-        files = sorted(os.listdir(tmp))
-        manifest = {"step": step, "world_size": owner.world_size,
-                    "files": {name: _sha256(os.path.join(tmp, name)) for name in files}}
-        with open(os.path.join(tmp, MANIFEST), "w") as f:
-            json.dump(manifest, f, indent=1, sort_keys=True)
-        _fsync(os.path.join(tmp, MANIFEST))
-        if os.path.exists(final):  # re-saving a step: the old one goes only once the new is whole
-            old = final + ".old"
-            shutil.rmtree(old, ignore_errors=True)
-            os.rename(final, old)
-            os.rename(tmp, final)
-            shutil.rmtree(old, ignore_errors=True)
-        else:
-            os.rename(tmp, final)
-        _fsync(ckpt_root)
+        commit(tmp, final, step, owner.world_size)
         if keep:
             for old_step in complete_steps(ckpt_root)[:-keep]:
                 shutil.rmtree(os.path.join(ckpt_root, f"step_{old_step}"), ignore_errors=True)
     owner.barrier()
     return final
+
+
+def commit(tmp: str, final: str, step: int, world_size: int = 1):
+    """Writes tmp's manifest (SHA-256 of every file) last, then renames tmp to final atomically.
+
+    An existing `final` is moved aside only once the new directory is whole, and removed after.
+    """
+    files = sorted(os.listdir(tmp))
+    manifest = {"step": step, "world_size": world_size,
+                "files": {name: _sha256(os.path.join(tmp, name)) for name in files}}
+    with open(os.path.join(tmp, MANIFEST), "w") as f:
+        json.dump(manifest, f, indent=1, sort_keys=True)
+    _fsync(os.path.join(tmp, MANIFEST))
+    if os.path.exists(final):
+        old = final + ".old"
+        shutil.rmtree(old, ignore_errors=True)
+        os.rename(final, old)
+        os.rename(tmp, final)
+        shutil.rmtree(old, ignore_errors=True)
+    else:
+        os.rename(tmp, final)
+    _fsync(os.path.dirname(os.path.abspath(final)))
 
 
 # ---- find, verify, load ------------------------------------------------------------------------

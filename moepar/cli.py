@@ -8,6 +8,8 @@ __all__ = ["main"]
 
 USAGE = """moepar train CONFIG.toml [--nproc N] [--section.key=value ...]
        moepar bench moe-layer [--tokens N --dim D --ffn-dim F --experts E --top-k K --dtype T] [--ep N] [--json]
+       moepar convert --from hf SRC_DIR --to moepar DST_DIR
+       moepar convert --from moepar SRC_DIR --to hf DST_DIR [--arch mixtral|qwen2_moe|qwen3_moe|olmoe]
        moepar bench dispatch --ep N [--tokens N --dim D --experts E --top-k K --dtype T] [--json]"""
 
 
@@ -75,6 +77,50 @@ def _train(argv: list[str]) -> int:
     return 0
 
 
+def _convert(argv: list[str]) -> int:
+    import argparse
+    from moepar.hf import ARCHS, ConversionError, hf_to_moepar, moepar_to_hf
+    parser = argparse.ArgumentParser(prog="moepar convert")
+    parser.add_argument("src")
+    parser.add_argument("--from", dest="source", choices=["hf", "moepar"], required=True)
+    parser.add_argument("--to", dest="target", choices=["hf", "moepar"], required=True)
+    parser.add_argument("dst")
+    parser.add_argument("--arch", choices=sorted(ARCHS), help="HF architecture to write (--to hf)")
+    parser.add_argument("--max-shard-size", type=int, default=2 << 30, help="bytes per output shard")
+    args = parser.parse_args(_positionals_last(argv))
+    if args.source == args.target:
+        parser.error("--from and --to must differ")
+    try:
+        if args.source == "hf":
+            out = hf_to_moepar(args.src, args.dst, args.max_shard_size)
+        else:
+            out = moepar_to_hf(args.src, args.dst, args.arch, args.max_shard_size)
+    except (ConversionError, ValueError) as e:
+        print(f"moepar: conversion error: {e}", file=sys.stderr)
+        return 1
+    print(f"wrote {out}")
+    return 0
+
+
+def _positionals_last(argv: list[str]) -> list[str]:
+    """'--from hf A --to moepar B' -> '--from hf --to moepar A B' (argparse wants them apart)."""
+    flags, positionals, i = [], [], 0
+    takes_value = {"--from", "--to", "--arch", "--max-shard-size"}
+    while i < len(argv):
+        arg = argv[i]
+        if arg in takes_value and i + 1 < len(argv):
+            flags += [arg, argv[i + 1]]
+            i += 2
+            # the source/destination path directly after --from X / --to Y
+            if arg in ("--from", "--to") and i < len(argv) and not argv[i].startswith("--"):
+                positionals.append(argv[i])
+                i += 1
+            continue
+        (flags if arg.startswith("--") else positionals).append(arg)
+        i += 1
+    return flags + positionals
+
+
 def tune_cpu_allocator() -> bool:
     """Keeps freed memory in the process heap (glibc only; MOEPAR_MALLOC_TUNING=0 turns it off).
 
@@ -103,6 +149,8 @@ def main(argv: list[str] | None = None) -> int:
     command, rest = argv[0], argv[1:]
     if command == "train":
         return _train(rest)
+    if command == "convert":
+        return _convert(rest)
     if command == "bench":
         from moepar.bench import main as bench_main
         return bench_main(rest)

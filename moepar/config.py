@@ -18,7 +18,7 @@ from moepar.layers.router import RouterConfig
 from moepar.parallel import check_layout
 
 __all__ = ["RunConfig", "ParallelConfig", "TrainConfig", "DataConfig", "OutputConfig",
-           "load_config", "parse_overrides", "to_toml", "to_dict"]
+           "load_config", "parse_overrides", "to_toml", "to_dict", "sections_toml"]
 
 DTYPES = ("float32", "bfloat16", "float64")
 DATA_SOURCES = ("builtin", "text", "tokens")
@@ -130,6 +130,7 @@ class OutputConfig:
     keep_checkpoints: int = 2     # newest complete checkpoints kept; 0 keeps all
     resume: bool = False          # continue from the newest checkpoint in dir/checkpoints
     resume_from: str = ""         # or from this checkpoint directory
+    init_from: str = ""           # start from these weights (e.g. a converted HF model): step 0, new optimizer
     overwrite: bool = False       # allow a fresh run in a dir that already holds checkpoints
     tensorboard: bool = True
 
@@ -139,8 +140,10 @@ class OutputConfig:
         for name in ("log_every", "checkpoint_every", "keep_checkpoints"):
             if getattr(self, name) < 0:
                 raise ValueError(f"run.{name}={getattr(self, name)} must be >= 0")
-        if self.resume_from and not os.path.isdir(self.resume_from):
-            raise ValueError(f"run.resume_from={self.resume_from!r} is not a directory")
+        for name in ("resume_from", "init_from"):
+            path = getattr(self, name)
+            if path and not os.path.isdir(path):
+                raise ValueError(f"run.{name}={path!r} is not a directory")
 
 
 @dataclass
@@ -180,6 +183,13 @@ def _convert(key: str, value, hint):
         allowed_none, hint = len(args) < len(typing.get_args(hint)), args[0]
     if allowed_none and (value is None or (isinstance(value, str) and value.lower() == "none")):
         return None
+    if typing.get_origin(hint) is list:
+        (item,) = typing.get_args(hint)
+        if isinstance(value, str):   # from the command line: "1,3,5" (or "" for none)
+            value = [v for v in value.split(",") if v.strip()]
+        if not isinstance(value, list):
+            raise ValueError(f"{key}={value!r} is not a list")
+        return [_convert(f"{key}[{i}]", v, item) for i, v in enumerate(value)]
     try:
         if hint is bool:
             if isinstance(value, bool):
@@ -274,6 +284,8 @@ def to_dict(cfg: RunConfig) -> dict:
 
 
 def _toml_value(value) -> str:
+    if isinstance(value, list):
+        return "[" + ", ".join(_toml_value(v) for v in value) + "]"
     if value is None:
         return '"none"'
     if isinstance(value, bool):
@@ -286,8 +298,14 @@ def _toml_value(value) -> str:
 
 def to_toml(cfg: RunConfig) -> str:
     """The resolved config as TOML that `load_config` reads back to an equal config."""
+    return sections_toml({f.name: getattr(cfg, f.name) for f in dataclasses.fields(RunConfig)})
+
+
+def sections_toml(sections: dict) -> str:
+    """TOML for {section name: section dataclass}."""
     lines = []
-    for section, values in to_dict(cfg).items():
+    for section, obj in sections.items():
+        values = dataclasses.asdict(obj)
         lines.append(f"[{section}]")
         lines += [f"{key} = {_toml_value(value)}" for key, value in values.items()]
         lines.append("")

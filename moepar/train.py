@@ -25,7 +25,7 @@ from moepar.data import WindowSampler, load_tokens
 from moepar.layers import TopKRouter, Transformer
 from moepar.metrics import MetricsWriter, StepStats
 from moepar.parallel import ParallelDims, parallelize
-from moepar.parallel.data import all_reduce_sum, clip_grad_norm, reduce_gradients
+from moepar.parallel.data import clip_grad_norm, reduce_gradients
 
 __all__ = ["Trainer", "lr_at", "NonFiniteError", "build_dims"]
 
@@ -119,6 +119,9 @@ class Trainer:
             state = load_checkpoint(resume_path, self.model, self.optimizer, self.owner)
             self.step, self.sampler.position = state["step"], state["data_position"]
             self.log(f"resumed from {resume_path} at step {self.step}")
+        elif cfg.run.init_from:
+            load_checkpoint(cfg.run.init_from, self.model, None, self.owner)
+            self.log(f"initialised weights from {cfg.run.init_from}")
         self.log(f"layout: {self.dims.describe()}; {self.num_local_micro} micro-batch(es) of "
                  f"{tcfg.micro_batch_size} per rank per step; device {self.device}")
 

@@ -89,7 +89,7 @@ def case_layer_parity(ep: int, dispatcher: str, dedup: bool, capacity_factor):
     ((out.y * gs[rank]).sum() + out.aux_loss.total).backward()
     # Expert grads on their owner: the sum over the EP group's token streams, over all edp
     # groups after summing over edp.
-    ep_group, edp_group = meshes.group("ep"), meshes.group("edp")
+    edp_group = meshes.group("edp")
     first, local = sharded.experts.expert_offset, sharded.experts.num_experts
     for name in ("w_in_EDH", "w_out_EFD"):
         grad = getattr(sharded.experts, name).grad.clone()

@@ -1,0 +1,242 @@
+"""Hugging Face checkpoints in and out: Mixtral, Qwen2-MoE, Qwen3-MoE, OLMoE (names in hf_arch.py).
+
+    moepar convert --from hf SRC_DIR --to moepar DST_DIR
+    moepar convert --from moepar SRC_DIR --to hf DST_DIR [--arch NAME]
+    moepar.from_hf(path) -> a model whose forward(input_ids [B, T]) returns logits [B, T, V]
+
+Conversion streams: one source shard is read at a time, and a tensor is held only until its
+partner arrives (an expert's gate and up projections become one `w_in`), so two full copies of
+the model never sit in memory. Every (layer, expert) tensor must appear exactly once; a missing,
+extra or mis-shaped tensor is an error that names it. A moepar checkpoint made here is the same
+format the trainer writes (layout-free names, index, manifest), plus `config.toml` (a run config
+with the model and router sections) and `hf_config.json` (the source's config, written back on
+export so a round trip returns the same config.json).
+"""
+
+import dataclasses
+import json
+import os
+import shutil
+
+import torch
+from safetensors import safe_open
+from safetensors.torch import save_file
+
+from moepar.config import sections_toml
+from moepar.hf_arch import (ARCHS, ConversionError, arch_by_name, canonical_to_hf,
+                            expected_canonical, hf_config_dict, hf_to_canonical, read_hf_config)
+from moepar.layers.model import ModelConfig
+from moepar.layers.router import RouterConfig
+
+__all__ = ["ARCHS", "ConversionError", "hf_to_moepar", "moepar_to_hf", "from_hf", "CausalLM"]
+
+
+# ---- files ------------------------------------------------------------------------------------
+
+def hf_tensors(path: str):
+    """Streams (name, tensor) from a HF folder, one shard file open at a time."""
+    index = os.path.join(path, "model.safetensors.index.json")
+    if os.path.isfile(index):
+        with open(index) as f:
+            weight_map = json.load(f)["weight_map"]
+        files = sorted(set(weight_map.values()))
+    elif os.path.isfile(os.path.join(path, "model.safetensors")):
+        files = ["model.safetensors"]
+    else:
+        raise ConversionError(f"{path!r} has neither model.safetensors nor model.safetensors.index.json")
+    seen = set()
+    for file in files:
+        with safe_open(os.path.join(path, file), framework="pt") as f:
+            for name in f.keys():
+                if name in seen:
+                    raise ConversionError(f"tensor {name!r} appears in more than one shard")
+                seen.add(name)
+                yield name, f.get_tensor(name)
+    return seen
+
+
+class _ShardWriter:
+    """Writes tensors into numbered safetensors shards of at most max_bytes; returns the map."""
+
+    def __init__(self, folder: str, pattern: str, max_bytes: int):
+        self.folder, self.pattern, self.max_bytes = folder, pattern, max_bytes
+        self.buffer, self.size, self.count, self.weight_map, self.total = {}, 0, 0, {}, 0
+
+    def add(self, name: str, tensor: torch.Tensor):
+        if name in self.weight_map or name in self.buffer:
+            raise ConversionError(f"tensor {name!r} produced twice")
+        nbytes = tensor.numel() * tensor.element_size()
+        if self.buffer and self.size + nbytes > self.max_bytes:
+            self.flush()
+        self.buffer[name] = tensor.contiguous()
+        self.size += nbytes
+        self.total += nbytes
+
+    def flush(self):
+        if not self.buffer:
+            return
+        file = self.pattern.format(self.count)
+        save_file(self.buffer, os.path.join(self.folder, file), metadata={"format": "pt"})
+        self.weight_map.update({name: file for name in self.buffer})
+        self.count += 1
+        self.buffer, self.size = {}, 0
+
+
+def _checked(expected: dict, stream):
+    """Passes (name, tensor) through, refusing names or shapes the model does not have."""
+    for name, tensor in stream:
+        if name not in expected:
+            raise ConversionError(f"tensor {name!r} has no place in the model")
+        if tuple(tensor.shape) != expected[name]:
+            raise ConversionError(f"tensor {name!r} has shape {tuple(tensor.shape)}, the model "
+                                  f"expects {expected[name]}")
+        yield name, tensor
+
+
+def _canonical_from_hf(path: str):
+    """(arch, model cfg, router cfg, stream of checked canonical tensors incl. zero expert biases)."""
+    arch, model_cfg, router_cfg = read_hf_config(path)
+    expected = expected_canonical(model_cfg, router_cfg)
+    tied = model_cfg.tie_embeddings
+
+    def stream():
+        produced = set()
+        source = ((n, t) for n, t in hf_tensors(path) if not (tied and n == "lm_head.weight"))
+        for name, tensor in _checked(expected, hf_to_canonical(arch, model_cfg, source)):
+            if name in produced:
+                raise ConversionError(f"tensor {name!r} appears more than once")
+            produced.add(name)
+            yield name, tensor
+        for name, shape in expected.items():   # what HF checkpoints do not carry
+            if name.endswith("expert_bias_E") and name not in produced:
+                produced.add(name)
+                yield name, torch.zeros(shape)
+        missing = sorted(set(expected) - produced)
+        if missing:
+            raise ConversionError(f"{path!r} lacks {len(missing)} tensor(s) the model needs, e.g. "
+                                  f"{missing[:6]}")
+    return arch, model_cfg, router_cfg, stream()
+
+
+def hf_to_moepar(src: str, dst: str, max_shard_bytes: int = 2 << 30) -> str:
+    """Converts a HF folder into a moepar checkpoint directory (atomically); returns dst."""
+    from moepar.checkpoint import commit
+    if os.path.exists(dst):
+        raise ConversionError(f"{dst!r} already exists; choose a new directory")
+    arch, model_cfg, router_cfg, stream = _canonical_from_hf(src)
+    tmp = dst.rstrip("/") + ".tmp"
+    shutil.rmtree(tmp, ignore_errors=True)
+    os.makedirs(tmp)
+    writer = _ShardWriter(tmp, "model-c{:05d}.safetensors", max_shard_bytes)
+    try:
+        for name, tensor in stream:
+            writer.add(name, tensor)
+        writer.flush()
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)   # nothing half-written is left to be mistaken
+        raise
+    files = {"index.json": {"model": writer.weight_map, "optimizer": {}},
+             "state.json": {"step": 0, "data_position": 0, "source": f"hf:{arch.name}",
+                            "config": {"model": dataclasses.asdict(model_cfg),
+                                       "router": dataclasses.asdict(router_cfg)}}}
+    for name, obj in files.items():
+        with open(os.path.join(tmp, name), "w") as f:
+            json.dump(obj, f, indent=1, sort_keys=True)
+    with open(os.path.join(src, "config.json")) as f, open(os.path.join(tmp, "hf_config.json"), "w") as g:
+        g.write(f.read())
+    with open(os.path.join(tmp, "config.toml"), "w") as f:
+        f.write(f"# converted from {src} ({arch.name}); train with\n"
+                f"#   moepar train {dst}/config.toml --run.init_from={dst} --data.source=... \n"
+                + sections_toml({"model": model_cfg, "router": router_cfg}))
+    commit(tmp, dst, 0)
+    return dst
+
+
+def _infer_arch(model_cfg: ModelConfig) -> str:
+    if model_cfg.qk_norm == "head":
+        return "qwen3_moe"
+    if model_cfg.qk_norm == "full":
+        return "olmoe"
+    if model_cfg.num_shared_experts:
+        return "qwen2_moe"
+    return "mixtral"
+
+
+def moepar_to_hf(src: str, dst: str, arch_name: str | None = None,
+                 max_shard_bytes: int = 2 << 30) -> str:
+    """Writes a moepar checkpoint directory as a HF folder (sharded, with index and config.json)."""
+    from moepar.checkpoint import verify_checkpoint
+    if os.path.exists(dst):
+        raise ConversionError(f"{dst!r} already exists; choose a new directory")
+    verify_checkpoint(src)
+    with open(os.path.join(src, "state.json")) as f:
+        config = json.load(f)["config"]
+    model_cfg, router_cfg = ModelConfig(**config["model"]), RouterConfig(**config["router"])
+    hf_config_file = os.path.join(src, "hf_config.json")
+    source_cfg = None
+    if os.path.isfile(hf_config_file):
+        with open(hf_config_file) as f:
+            source_cfg = json.load(f)
+    arch = arch_by_name(arch_name or (source_cfg or {}).get("model_type") or _infer_arch(model_cfg))
+    if source_cfg is None or source_cfg.get("model_type") != arch.name:
+        source_cfg = hf_config_dict(arch, model_cfg, router_cfg)
+    with open(os.path.join(src, "index.json")) as f:
+        index = json.load(f)["model"]
+    expected = expected_canonical(model_cfg, router_cfg)
+    missing = sorted(set(expected) - set(index))
+    if missing:
+        raise ConversionError(f"{src!r} lacks {len(missing)} tensor(s), e.g. {missing[:6]}")
+
+    def canonical():
+        for file in sorted(set(index.values())):
+            with safe_open(os.path.join(src, file), framework="pt") as f:
+                for name in f.keys():
+                    if name in index and index[name] == file:
+                        yield name, f.get_tensor(name)
+
+    tmp = dst.rstrip("/") + ".tmp"
+    shutil.rmtree(tmp, ignore_errors=True)
+    os.makedirs(tmp)
+    writer = _ShardWriter(tmp, "part-{:05d}.safetensors", max_shard_bytes)
+    try:
+        for name, tensor in canonical_to_hf(arch, model_cfg, _checked(expected, canonical())):
+            writer.add(name, tensor)
+        writer.flush()
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    names = {f"part-{i:05d}.safetensors": f"model-{i + 1:05d}-of-{writer.count:05d}.safetensors"
+             for i in range(writer.count)}
+    for old, new in names.items():
+        os.rename(os.path.join(tmp, old), os.path.join(tmp, new))
+    weight_map = {k: names[v] for k, v in sorted(writer.weight_map.items())}
+    with open(os.path.join(tmp, "model.safetensors.index.json"), "w") as f:
+        json.dump({"metadata": {"total_size": writer.total}, "weight_map": weight_map}, f, indent=2)
+    with open(os.path.join(tmp, "config.json"), "w") as f:
+        json.dump(source_cfg, f, indent=2)
+    os.rename(tmp, dst)
+    return dst
+
+
+class CausalLM(torch.nn.Module):
+    """A moepar Transformer whose forward(input_ids [B, T]) returns logits [B, T, V] only."""
+
+    def __init__(self, model):
+        super().__init__()
+        self.model = model
+
+    def forward(self, input_ids):
+        return self.model(input_ids)[0]
+
+
+def from_hf(path: str, dtype: torch.dtype = torch.float32) -> CausalLM:
+    """Builds the moepar model for a HF folder and loads its weights (checked for completeness)."""
+    from moepar.checkpoint import _wanted
+    from moepar.layers import Transformer
+    arch, model_cfg, router_cfg, stream = _canonical_from_hf(path)
+    model = Transformer(model_cfg, router_cfg).to(dtype)
+    tensors = dict(stream)
+    with torch.no_grad():
+        for name, target in model.state_dict().items():
+            target.copy_(_wanted(model, name, tensors.__getitem__))
+    return CausalLM(model.eval())
