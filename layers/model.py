@@ -16,7 +16,7 @@ from torch import nn
 
 from .experts import ACTIVATIONS, FeedForward
 from .moe import MoE
-from .router import RouterConfig
+from .router import RouterConfig, check_number
 
 __all__ = ["ModelConfig", "Transformer", "Attention", "RMSNorm", "Block", "QK_NORMS"]
 
@@ -62,6 +62,8 @@ class ModelConfig:
                 raise ValueError(f"model.{name}={getattr(self, name)} must be >= 0")
         if self.activation not in ACTIVATIONS:
             raise ValueError(f"model.activation={self.activation!r} is not one of {ACTIVATIONS}")
+        for name in ("rope_theta", "norm_eps", "init_std"):
+            check_number(f"model.{name}", getattr(self, name), strict=True)
         if self.qk_norm not in QK_NORMS:
             raise ValueError(f"model.qk_norm={self.qk_norm!r} is not one of {QK_NORMS}")
         if not 0 <= self.moe_offset < self.moe_every:

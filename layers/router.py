@@ -50,17 +50,16 @@ class RouterConfig:
         if self.n_group < 1 or self.topk_group < 1 or self.topk_group > self.n_group:
             raise ValueError(f"router.topk_group={self.topk_group} must be in [1, router.n_group="
                              f"{self.n_group}] and router.n_group >= 1")
-        if self.capacity_factor is not None and not self.capacity_factor > 0:
-            raise ValueError(f"router.capacity_factor={self.capacity_factor} must be > 0, or "
-                             "none for dropless routing")
+        if self.capacity_factor is not None and not (
+                self.capacity_factor > 0 and math.isfinite(self.capacity_factor)):
+            raise ValueError(f"router.capacity_factor={self.capacity_factor} must be a finite "
+                             "number > 0, or none for dropless routing")
         if self.type == "expert_choice" and self.capacity_factor is None:
             raise ValueError("router.type='expert_choice' needs router.capacity_factor > 0 "
                              "(each expert picks C = ceil(T*K*cf/E) tokens)")
         for name in ("balance_coeff", "seq_balance_coeff", "z_coeff", "bias_update_rate"):
-            if getattr(self, name) < 0:
-                raise ValueError(f"router.{name}={getattr(self, name)} must be >= 0")
-        if self.routed_scaling_factor <= 0:
-            raise ValueError(f"router.routed_scaling_factor={self.routed_scaling_factor} must be > 0")
+            check_number(f"router.{name}", getattr(self, name))
+        check_number("router.routed_scaling_factor", self.routed_scaling_factor, strict=True)
 
     def check_experts(self, num_experts: int, top_k: int):
         """Checks that need the model's expert counts; raises naming both sides."""
@@ -73,6 +72,14 @@ class RouterConfig:
                              f"router.topk_group={self.topk_group} groups of {per_group}")
         if not 1 <= top_k <= num_experts:
             raise ValueError(f"model.top_k={top_k} must be in [1, model.num_experts={num_experts}]")
+
+
+def check_number(name: str, value, low: float = 0.0, strict: bool = False):
+    """Raises naming the field unless value is a finite number >= low (> low when strict)."""
+    ok = isinstance(value, (int, float)) and math.isfinite(value) and (
+        value > low if strict else value >= low)
+    if not ok:
+        raise ValueError(f"{name}={value} must be a finite number {'>' if strict else '>='} {low}")
 
 
 def _check_choice(name, value, allowed):

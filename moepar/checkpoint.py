@@ -34,7 +34,8 @@ from safetensors.torch import save_file
 from moepar.layers.experts import GroupedExperts
 
 __all__ = ["save_checkpoint", "load_checkpoint", "latest_checkpoint", "complete_steps",
-           "verify_checkpoint", "commit", "CheckpointError", "Owner", "canonical_items"]
+           "verify_checkpoint", "commit", "recover_interrupted", "checkpoint_step",
+           "CheckpointError", "Owner", "canonical_items"]
 
 MANIFEST, INDEX, STATE = "manifest.json", "index.json", "state.json"
 _STEP_DIR = re.compile(r"^step_(\d+)$")
@@ -198,7 +199,10 @@ def save_checkpoint(ckpt_root: str, step: int, model, optimizer, state: dict, ke
             _fsync(os.path.join(tmp, name))
         commit(tmp, final, step, owner.world_size)
         if keep:
-            for old_step in complete_steps(ckpt_root)[:-keep]:
+            # Keep this step and the newest keep-1 before it. Never touch later steps (another
+            # branch of the run, say after --run.resume_from) and never the one just written.
+            older = [s for s in complete_steps(ckpt_root) if s < step]
+            for old_step in older[:max(len(older) - (keep - 1), 0)]:
                 shutil.rmtree(os.path.join(ckpt_root, f"step_{old_step}"), ignore_errors=True)
     owner.barrier()
     return final
@@ -240,6 +244,47 @@ def complete_steps(ckpt_root: str) -> list[int]:
     return sorted(steps)
 
 
+def recover_interrupted(ckpt_root: str) -> list[str]:
+    """Finishes or discards what a crash during `commit` left behind; returns what it did.
+
+    `.step_N.tmp` with a manifest was complete (the manifest is written last) but not renamed:
+    it becomes step_N. `step_N.old` without step_N was a re-save caught between its two renames:
+    it becomes step_N again. Temporary directories without a manifest are deleted.
+    """
+    done = []
+    if not os.path.isdir(ckpt_root):
+        return done
+    for name in sorted(os.listdir(ckpt_root)):
+        path = os.path.join(ckpt_root, name)
+        tmp = re.match(r"^\.step_(\d+)\.tmp$", name)
+        old = re.match(r"^step_(\d+)\.old$", name)
+        if tmp:
+            final = os.path.join(ckpt_root, f"step_{tmp.group(1)}")
+            if os.path.isfile(os.path.join(path, MANIFEST)) and not os.path.exists(final):
+                os.rename(path, final)
+                done.append(f"committed {name} as step_{tmp.group(1)}")
+            else:
+                shutil.rmtree(path, ignore_errors=True)
+                done.append(f"removed incomplete {name}")
+        elif old:
+            final = os.path.join(ckpt_root, f"step_{old.group(1)}")
+            if os.path.exists(final):
+                shutil.rmtree(path, ignore_errors=True)
+            else:
+                os.rename(path, final)
+                done.append(f"restored {name} as step_{old.group(1)}")
+    return done
+
+
+def checkpoint_step(path: str) -> int | None:
+    """The step a committed checkpoint directory holds (from its manifest), or None."""
+    try:
+        with open(os.path.join(path, MANIFEST)) as f:
+            return int(json.load(f)["step"])
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+
+
 def latest_checkpoint(ckpt_root: str) -> str | None:
     steps = complete_steps(ckpt_root)
     return os.path.join(ckpt_root, f"step_{steps[-1]}") if steps else None
@@ -250,9 +295,16 @@ def verify_checkpoint(path: str) -> dict:
     manifest_path = os.path.join(path, MANIFEST)
     if not os.path.isfile(manifest_path):
         raise CheckpointError(f"checkpoint {path!r} has no {MANIFEST}: it was never committed")
-    with open(manifest_path) as f:
-        manifest = json.load(f)
-    for name, digest in manifest["files"].items():
+    try:
+        with open(manifest_path) as f:
+            manifest = json.load(f)
+        files = dict(manifest["files"])
+    except (ValueError, KeyError, TypeError, OSError) as e:
+        raise CheckpointError(f"checkpoint {path!r}: {MANIFEST} is unreadable ({e})") from None
+    for name in (INDEX, STATE):
+        if name not in files:
+            raise CheckpointError(f"checkpoint {path!r}: {MANIFEST} does not list {name}")
+    for name, digest in files.items():
         file = os.path.join(path, name)
         if not os.path.isfile(file):
             raise CheckpointError(f"checkpoint {path!r} is missing {name}")
@@ -290,8 +342,14 @@ def load_checkpoint(path: str, model, optimizer=None, owner: Owner | None = None
     error = owner.broadcast(error)
     if error:
         raise CheckpointError(error)
+    with open(os.path.join(path, MANIFEST)) as f:
+        listed = set(json.load(f)["files"])
     with open(os.path.join(path, INDEX)) as f:
         index = json.load(f)
+    unlisted = sorted({file for part in index.values() for file in part.values()} - listed)
+    if unlisted:
+        raise CheckpointError(f"checkpoint {path!r}: index.json points at files the manifest does "
+                              f"not list: {unlisted[:3]}")
     read = _Reader(path, index["model"])
     expected = model.state_dict()
     loaded = {}

@@ -14,8 +14,9 @@ import typing
 from dataclasses import dataclass, field
 
 from moepar.layers.model import ModelConfig
-from moepar.layers.router import RouterConfig
+from moepar.layers.router import RouterConfig, check_number
 from moepar.parallel import check_layout
+from moepar.parallel.expert import DISPATCHERS
 
 __all__ = ["RunConfig", "ParallelConfig", "TrainConfig", "DataConfig", "OutputConfig",
            "load_config", "parse_overrides", "to_toml", "to_dict", "sections_toml"]
@@ -46,9 +47,9 @@ class ParallelConfig:
                 raise ValueError(f"parallel.{name}={getattr(self, name)} must be >= 1")
         if self.zero not in (0, 1, 2, 3):
             raise ValueError(f"parallel.zero={self.zero} is not one of 0, 1, 2, 3")
-        if self.dispatcher not in ("alltoall", "allgather"):
-            raise ValueError(f"parallel.dispatcher={self.dispatcher!r} is not one of 'alltoall', "
-                             "'allgather'")
+        if self.dispatcher not in DISPATCHERS:
+            raise ValueError(f"parallel.dispatcher={self.dispatcher!r} is not one of "
+                             f"{', '.join(map(repr, DISPATCHERS))}")
         if self.dedup and self.dispatcher != "alltoall":
             raise ValueError("parallel.dedup=true needs parallel.dispatcher='alltoall'")
         if self.backend not in ("auto", "gloo", "nccl"):
@@ -88,12 +89,11 @@ class TrainConfig:
             raise ValueError(f"train.device={self.device!r} is not one of 'auto', 'cpu', 'cuda'")
         if self.on_nonfinite not in ("skip", "stop"):
             raise ValueError(f"train.on_nonfinite={self.on_nonfinite!r} is not one of 'skip', 'stop'")
-        if not self.lr > 0 or not 0 <= self.min_lr_ratio <= 1:
-            raise ValueError(f"train.lr={self.lr} must be > 0 and train.min_lr_ratio="
-                             f"{self.min_lr_ratio} in [0, 1]")
+        check_number("train.lr", self.lr, strict=True)
+        if not 0 <= self.min_lr_ratio <= 1:
+            raise ValueError(f"train.min_lr_ratio={self.min_lr_ratio} must be in [0, 1]")
         for name in ("warmup_steps", "weight_decay", "grad_clip", "eps"):
-            if getattr(self, name) < 0:
-                raise ValueError(f"train.{name}={getattr(self, name)} must be >= 0")
+            check_number(f"train.{name}", getattr(self, name))
         for name in ("beta1", "beta2"):
             if not 0 <= getattr(self, name) < 1:
                 raise ValueError(f"train.{name}={getattr(self, name)} must be in [0, 1)")
@@ -164,6 +164,12 @@ class RunConfig:
         if self.train.seq_len > self.model.max_seq_len:
             raise ValueError(f"train.seq_len={self.train.seq_len} exceeds model.max_seq_len="
                              f"{self.model.max_seq_len}")
+        if self.parallel.backend == "gloo" and self.train.device == "cuda":
+            raise ValueError("parallel.backend='gloo' with train.device='cuda': gloo's all-to-all "
+                             "runs on CPU tensors only; use parallel.backend='nccl' (or auto)")
+        if self.parallel.backend == "nccl" and self.train.device == "cpu":
+            raise ValueError("parallel.backend='nccl' with train.device='cpu': NCCL needs CUDA "
+                             "tensors; use parallel.backend='gloo' (or auto)")
         if self.data.source in ("builtin", "text") and self.model.vocab_size < 256:
             raise ValueError(f"model.vocab_size={self.model.vocab_size} must be >= 256 for the "
                              f"byte-level tokenizer (data.source={self.data.source!r})")

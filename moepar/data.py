@@ -12,7 +12,7 @@ import torch
 
 from moepar.config import DataConfig
 
-__all__ = ["ByteTokenizer", "load_tokens", "WindowSampler"]
+__all__ = ["ByteTokenizer", "load_tokens", "check_token_range", "WindowSampler"]
 
 
 class ByteTokenizer:
@@ -57,6 +57,20 @@ def load_tokens(cfg: DataConfig) -> np.ndarray:
         raise ValueError(f"data.path={cfg.path!r} must hold a 1-D integer array, got "
                          f"{tokens.dtype} with shape {tokens.shape}")
     return tokens
+
+
+def check_token_range(tokens: np.ndarray, vocab_size: int, name: str, chunk: int = 1 << 24):
+    """Raises naming the first chunk with an id outside [0, vocab_size); reads memmaps in chunks."""
+    if tokens.dtype == np.uint8 and vocab_size >= 256:
+        return
+    for start in range(0, len(tokens), chunk):
+        part = np.asarray(tokens[start:start + chunk])
+        low, high = int(part.min()), int(part.max())
+        if low < 0 or high >= vocab_size:
+            bad = low if low < 0 else high
+            where = start + int(np.argmax(part == bad))
+            raise ValueError(f"{name}: token id {bad} at position {where} is outside "
+                             f"[0, model.vocab_size={vocab_size})")
 
 
 class WindowSampler:

@@ -79,6 +79,14 @@ def load_heatmap(tokens_LE: torch.Tensor, cell: int = 24) -> torch.Tensor:
     return rgb.repeat_interleave(cell, 1).repeat_interleave(cell, 2)
 
 
+def _step_of(line: str):
+    """The step of a metrics.jsonl line, or None for a torn or foreign line (a crash mid-write)."""
+    try:
+        return int(json.loads(line)["step"])
+    except (ValueError, KeyError, TypeError):
+        return None
+
+
 class MetricsWriter:
     """Appends one JSON object per step to metrics.jsonl and mirrors it to TensorBoard."""
 
@@ -88,7 +96,7 @@ class MetricsWriter:
         if resume_step and os.path.exists(self.path):
             # Steps after the checkpoint will be run again: drop their old lines, keep the earlier.
             with open(self.path) as f:
-                kept = [line for line in f if line.strip() and json.loads(line)["step"] <= resume_step]
+                kept = [line for line in f if _step_of(line) is not None and _step_of(line) <= resume_step]
             with open(self.path, "w") as f:
                 f.writelines(kept)
         elif os.path.exists(self.path):

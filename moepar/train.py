@@ -9,6 +9,7 @@ then gives the mean over all micro-batches, as on one process.
 """
 
 import contextlib
+import dataclasses
 import math
 import os
 import shutil
@@ -18,10 +19,10 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from moepar.checkpoint import (Owner, complete_steps, latest_checkpoint, load_checkpoint,
-                               save_checkpoint)
+from moepar.checkpoint import (Owner, checkpoint_step, complete_steps, latest_checkpoint,
+                               load_checkpoint, recover_interrupted, save_checkpoint)
 from moepar.config import RunConfig, to_dict, to_toml
-from moepar.data import WindowSampler, load_tokens
+from moepar.data import WindowSampler, check_token_range, load_tokens
 from moepar.layers import TopKRouter, Transformer
 from moepar.metrics import MetricsWriter, StepStats
 from moepar.parallel import ParallelDims, parallelize
@@ -73,7 +74,12 @@ def _device(cfg) -> torch.device:
     if want == "cuda" or (want == "auto" and torch.cuda.is_available()):
         if not torch.cuda.is_available():
             raise ValueError("train.device='cuda' but CUDA is not available")
-        return torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
+        local_rank = int(os.environ.get("LOCAL_RANK", 0))
+        if local_rank >= torch.cuda.device_count():
+            raise ValueError(f"LOCAL_RANK={local_rank} but this node has "
+                             f"{torch.cuda.device_count()} CUDA device(s): start at most that "
+                             "many processes per node")
+        return torch.device("cuda", local_rank)
     return torch.device("cpu")
 
 
@@ -88,6 +94,9 @@ class Trainer:
         self.dims = build_dims(cfg, world_size)
         self.log = log if self.rank == 0 else (lambda _msg: None)
         self.device = _device(cfg)
+        # Data errors surface here, on every rank, before any process group exists.
+        tokens = load_tokens(cfg.data)
+        check_token_range(tokens, cfg.model.vocab_size, f"data.source={cfg.data.source}")
         self.meshes = None
         if world_size > 1:
             if not dist.is_initialized():
@@ -112,7 +121,7 @@ class Trainer:
                                  tcfg.activation_checkpointing).to(self.device)
         self.model.set_aux_loss_scale(1.0 / self.num_local_micro)
         self.optimizer = build_optimizer(self.model, tcfg)
-        self.sampler = WindowSampler(load_tokens(cfg.data), tcfg.seq_len, tcfg.micro_batch_size,
+        self.sampler = WindowSampler(tokens, tcfg.seq_len, tcfg.micro_batch_size,
                                      tcfg.seed, cfg.model.vocab_size, name=f"data.source={cfg.data.source}")
         self.step = 0
         if resume_path:
@@ -126,23 +135,38 @@ class Trainer:
                  f"{tcfg.micro_batch_size} per rank per step; device {self.device}")
 
     def _resume_path(self) -> str | None:
-        """The checkpoint to resume from, or None; refuses to clobber an earlier run by accident."""
+        """The checkpoint to resume from, or None; refuses to clobber a run by accident."""
         run = self.cfg.run
-        if run.resume_from:
-            return run.resume_from
+        if self.rank == 0:
+            for message in recover_interrupted(self.ckpt_root):
+                self.log(f"checkpoints: {message}")
+        self.owner.barrier()
         existing = complete_steps(self.ckpt_root)
-        if run.resume:
-            return latest_checkpoint(self.ckpt_root)  # none yet: a fresh start
-        if existing and not run.overwrite:
-            raise ValueError(f"run.dir={run.dir!r} already holds checkpoints (steps {existing}); "
-                             "pass --run.resume=true to continue it, --run.overwrite=true to "
-                             "replace it, or choose another run.dir")
-        if existing:
-            self.owner.barrier()       # every rank has seen the old checkpoints before they go
+        doomed, path = [], None
+        if run.resume_from:
+            step = checkpoint_step(run.resume_from)
+            doomed = [s for s in existing if step is not None and s > step]
+            if doomed and not run.overwrite:
+                raise ValueError(f"run.dir={run.dir!r} holds checkpoints after step {step} of "
+                                 f"run.resume_from (steps {doomed}); they would be resumed by "
+                                 "--run.resume later or pruned. Pass --run.overwrite=true to "
+                                 "delete them, or use another run.dir")
+            path = run.resume_from
+        elif run.resume:
+            path = latest_checkpoint(self.ckpt_root)  # none yet: a fresh start
+        elif existing:
+            if not run.overwrite:
+                raise ValueError(f"run.dir={run.dir!r} already holds checkpoints (steps {existing}); "
+                                 "pass --run.resume=true to continue it, --run.overwrite=true to "
+                                 "replace it, or choose another run.dir")
+            doomed = existing
+        if doomed:
+            self.owner.barrier()       # every rank has looked before anything goes
             if self.rank == 0:
-                shutil.rmtree(self.ckpt_root)
+                for step in doomed:
+                    shutil.rmtree(os.path.join(self.ckpt_root, f"step_{step}"))
             self.owner.barrier()
-        return None
+        return path
 
     def _autocast(self):
         if self.cfg.train.dtype == "bfloat16":
@@ -223,8 +247,12 @@ class Trainer:
         writer = None
         if self.rank == 0:
             os.makedirs(cfg.run.dir, exist_ok=True)
+            # One-shot flags are not part of the run: reusing this file must not resume from a
+            # stale path or delete checkpoints.
+            saved = dataclasses.replace(cfg, run=dataclasses.replace(
+                cfg.run, resume=False, resume_from="", overwrite=False))
             with open(os.path.join(cfg.run.dir, "config.toml"), "w") as f:
-                f.write(to_toml(cfg))
+                f.write(to_toml(saved))
             writer = MetricsWriter(cfg.run.dir, cfg.run.tensorboard, resume_step=self.step,
                                    ep=self.dims.ep)
         records = []

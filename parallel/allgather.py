@@ -21,7 +21,7 @@ import torch
 from moepar.layers.dispatch import LocalPlan, combine_sorted, gather_sorted, sort_by_expert
 from moepar.layers.router import Routing
 
-from .comm import all_gather_rows, group_size, reduce_scatter_rows
+from .comm import all_gather_rows, group_size, reduce_scatter_rows, to_wire
 
 __all__ = ["AllGatherDispatcher", "AllGatherPlan"]
 
@@ -41,7 +41,7 @@ class AllGatherDispatcher:
 
     def dispatch(self, x_TD: torch.Tensor, routing: Routing):
         num_tokens = x_TD.shape[0]
-        x_all = all_gather_rows(x_TD, self.group)
+        x_all = all_gather_rows(to_wire(x_TD), self.group)
         weight_all = all_gather_rows(routing.weight_N, self.group)
         expert_all = all_gather_rows(routing.expert_N, self.group)
         token_all = all_gather_rows(routing.token_N, self.group)
@@ -59,4 +59,5 @@ class AllGatherDispatcher:
 
     def combine(self, y_RD: torch.Tensor, plan: AllGatherPlan) -> torch.Tensor:
         partial_all = combine_sorted(y_RD, plan.local)   # [P*T, D], my experts' share only
+        # Partial sums stay in their promoted dtype: the reduce-scatter adds them on the wire.
         return reduce_scatter_rows(partial_all, self.group)

@@ -25,7 +25,7 @@ from moepar.layers.dispatch import (LocalPlan, combine_sorted, gather_sorted, in
                                     permute_rows, sort_by_expert)
 from moepar.layers.router import Routing
 
-from .comm import all_to_all, group_size
+from .comm import all_to_all, group_size, to_wire
 from .splitcheck import check_splits
 
 __all__ = ["AllToAllDispatcher", "AllToAllPlan", "source_to_expert_major"]
@@ -95,7 +95,7 @@ class AllToAllDispatcher:
         if self.debug:
             check_splits(send_splits, recv_splits, self.group, f"MoE layer {self.layer_id} dispatch",
                          x_TD.device)
-        x_recv = all_to_all(x_SD, recv_splits, send_splits, self.group)
+        x_recv = all_to_all(to_wire(x_SD), recv_splits, send_splits, self.group)
         to_expert = source_to_expert_major(received, device=x_TD.device)
         to_source = inverse_permutation(to_expert)
         x_RD = permute_rows(x_recv, to_expert, to_source)

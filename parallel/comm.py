@@ -15,7 +15,16 @@ function short-circuits on a group of one rank, so callers never branch on the d
 import torch
 import torch.distributed as dist
 
-__all__ = ["all_to_all", "all_gather_rows", "reduce_scatter_rows", "group_size"]
+__all__ = ["all_to_all", "all_gather_rows", "reduce_scatter_rows", "group_size", "to_wire"]
+
+
+def to_wire(x):
+    """Hidden states in the autocast dtype before they travel (the experts would cast them on
+    arrival anyway): under bf16 autocast the residual stream is fp32, and sending it as is would
+    double the bytes. Outside autocast, a no-op."""
+    if x.is_floating_point() and torch.is_autocast_enabled(x.device.type):
+        return x.to(torch.get_autocast_dtype(x.device.type))
+    return x
 
 
 def group_size(group) -> int:

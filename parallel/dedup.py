@@ -25,7 +25,7 @@ import torch.distributed as dist
 from moepar.layers.dispatch import inverse_permutation, permute_rows, sort_by_expert
 from moepar.layers.router import Routing
 
-from .comm import all_to_all, group_size
+from .comm import all_to_all, group_size, to_wire
 from .splitcheck import check_splits
 
 __all__ = ["DedupAllToAllDispatcher", "DedupPlan"]
@@ -86,7 +86,8 @@ class DedupAllToAllDispatcher:
 
         # Source side: one row per (rank, token) pair; per assignment its row and local expert.
         pair_token_Q = torch.remainder(pair_key[:num_pairs], num_tokens)
-        x_recv = all_to_all(x_TD.index_select(0, pair_token_Q), recv_rows, send_rows, self.group)
+        x_recv = all_to_all(to_wire(x_TD.index_select(0, pair_token_Q)), recv_rows, send_rows,
+                            self.group)
         assign = order_N[:num_assign]
         assign_dest = dest_N[assign]
         pair_start = torch.cumsum(pairs_per_dest, 0) - pairs_per_dest
@@ -118,6 +119,7 @@ class DedupAllToAllDispatcher:
         if self.debug:
             check_splits(plan.recv_rows, plan.send_rows, self.group,
                          f"MoE layer {self.layer_id} combine (dedup rows)", y_RD.device)
-        y_pairs = all_to_all(y_rows, plan.send_rows, plan.recv_rows, self.group)
-        y_TD = y_pairs.new_zeros(plan.num_tokens, y_RD.shape[-1])
-        return y_TD.index_add(0, plan.pair_token_Q, y_pairs)
+        # Partial sums travel in the experts' dtype (bf16 under autocast), summed in fp32 after.
+        y_pairs = all_to_all(y_rows.to(y_RD.dtype), plan.send_rows, plan.recv_rows, self.group)
+        y_TD = y_pairs.new_zeros(plan.num_tokens, y_RD.shape[-1], dtype=dtype)
+        return y_TD.index_add(0, plan.pair_token_Q, y_pairs.to(dtype))

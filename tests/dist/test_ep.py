@@ -146,3 +146,33 @@ def test_layer_parity(worlds, kind, capacity_factor):
 
 def test_split_mismatch_raises_instead_of_hanging(worlds):
     assert worlds(2).run(case_split_mismatch_raises, 2, timeout=60) == ["raised", "raised"]
+
+
+def case_bf16_rows_travel_as_bf16(dedup: bool):
+    """Under bf16 autocast the fp32 residual stream crosses the wire in bf16 (half the bytes)."""
+    rank, dims, meshes = setup(2)
+    moe = apply_ep(MoE(DIM * 2, FFN * 2, E, K), dims, meshes, rank, "alltoall", dedup)
+    seen = []
+    real = dist.all_to_all_single
+
+    def spy(output, input, *args, **kwargs):
+        if input.dim() == 2 and input.shape[-1] == DIM * 2:
+            seen.append(input.dtype)
+        return real(output, input, *args, **kwargs)
+
+    dist.all_to_all_single = spy
+    try:
+        x = torch.randn(T, DIM * 2, requires_grad=True)
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            y = moe(x).y
+        y.float().sum().backward()
+    finally:
+        dist.all_to_all_single = real
+    assert y.dtype == torch.float32 and x.grad.dtype == torch.float32
+    assert seen and all(d == torch.bfloat16 for d in seen), seen
+    return len(seen)
+
+
+@pytest.mark.parametrize("dedup", [False, True])
+def test_bf16_rows_travel_as_bf16(worlds, dedup):
+    assert all(n >= 4 for n in worlds(2).run(case_bf16_rows_travel_as_bf16, dedup))

@@ -324,3 +324,28 @@ def test_train_config_checks(kwargs, key):
 def test_space_separated_override_does_not_swallow_the_next_flag():
     with pytest.raises(ValueError, match="--run.dir"):
         load_config(None, ["--run.dir", "--train.steps=3"])
+
+
+@pytest.mark.parametrize("override, key", [
+    ("--router.balance_coeff=nan", "router.balance_coeff"),
+    ("--router.routed_scaling_factor=nan", "router.routed_scaling_factor"),
+    ("--router.capacity_factor=inf", "router.capacity_factor"),
+    ("--train.grad_clip=nan", "train.grad_clip"),
+    ("--train.weight_decay=inf", "train.weight_decay"),
+    ("--train.lr=inf", "train.lr"),
+    ("--model.init_std=-1", "model.init_std"),
+    ("--model.norm_eps=0", "model.norm_eps"),
+    ("--model.rope_theta=nan", "model.rope_theta"),
+])
+def test_non_finite_or_out_of_range_numbers_refused(override, key):
+    with pytest.raises(ValueError, match=re.escape(key)):
+        load_config(None, [override])
+
+
+@pytest.mark.parametrize("overrides, named", [
+    (["--parallel.backend=gloo", "--train.device=cuda"], "gloo"),
+    (["--parallel.backend=nccl", "--train.device=cpu"], "nccl"),
+])
+def test_backend_device_mismatch_refused(overrides, named):
+    with pytest.raises(ValueError, match=f"parallel.backend='{named}'"):
+        load_config(None, overrides)

@@ -185,3 +185,14 @@ def test_expert_choice_and_shared_experts_train(tmp_path):
                       "--model.num_shared_experts=1", "--model.shared_gate=true", "--train.steps=3")
     records = Trainer(cfg, log=quiet).run()
     assert all(math.isfinite(r["loss"]) for r in records)
+
+
+def test_token_out_of_vocabulary_refused_at_load(tmp_path):
+    import numpy as np
+    tokens = np.arange(5000, dtype=np.uint16) % 300    # ids up to 299
+    np.save(tmp_path / "tokens.npy", tokens)
+    cfg = tiny_config(tmp_path / "run", "--data.source=tokens", f"--data.path={tmp_path / 'tokens.npy'}",
+                      "--model.vocab_size=280")
+    with pytest.raises(ValueError, match=r"token id 299 at position 299 .*vocab_size=280"):
+        Trainer(cfg, log=quiet)
+    assert not (tmp_path / "run").exists()
