@@ -187,35 +187,51 @@ def save_checkpoint(ckpt_root: str, step: int, model, optimizer, state: dict, ke
     names = _save(optim, os.path.join(tmp, optim_file))
     written["optimizer"].update({n: optim_file for n in names})
     _save({"torch_cpu": torch.get_rng_state()}, os.path.join(tmp, f"rng-{tag}.safetensors"))
+    # Each rank hashes what it wrote (in parallel); rank 0 only adds its JSON files.
+    mine = [f for f in (model_file, optim_file, f"rng-{tag}.safetensors")
+            if os.path.isfile(os.path.join(tmp, f))]
+    written["hashes"] = {f: _sha256(os.path.join(tmp, f)) for f in mine}
     everyone = owner.gather(written)
+    error = None
     if owner.rank == 0:
-        index = {"model": {}, "optimizer": {}}
+        index, hashes = {"model": {}, "optimizer": {}}, {}
         for part in everyone:
+            hashes.update(part["hashes"])
             for kind in index:
                 index[kind].update(part[kind])
-        for name, obj in ((INDEX, index), (STATE, state)):
-            with open(os.path.join(tmp, name), "w") as f:
-                json.dump(obj, f, indent=1, sort_keys=True)
-            _fsync(os.path.join(tmp, name))
-        commit(tmp, final, step, owner.world_size)
-        if keep:
+        missing = sorted(_canonical_names(model) - set(index["model"]))
+        if missing:   # a rank wrote less than its share: never commit an incomplete checkpoint
+            error = f"checkpoint step {step} would lack {len(missing)} tensor(s), e.g. {missing[:4]}"
+        else:
+            for name, obj in ((INDEX, index), (STATE, state)):
+                with open(os.path.join(tmp, name), "w") as f:
+                    json.dump(obj, f, indent=1, sort_keys=True)
+                _fsync(os.path.join(tmp, name))
+            commit(tmp, final, step, owner.world_size, known_hashes=hashes)
+        if keep and error is None:
             # Keep this step and the newest keep-1 before it. Never touch later steps (another
             # branch of the run, say after --run.resume_from) and never the one just written.
             older = [s for s in complete_steps(ckpt_root) if s < step]
             for old_step in older[:max(len(older) - (keep - 1), 0)]:
                 shutil.rmtree(os.path.join(ckpt_root, f"step_{old_step}"), ignore_errors=True)
-    owner.barrier()
+    error = owner.broadcast(error)
+    if error:
+        raise CheckpointError(error)
     return final
 
 
-def commit(tmp: str, final: str, step: int, world_size: int = 1):
+def commit(tmp: str, final: str, step: int, world_size: int = 1, known_hashes: dict | None = None):
     """Writes tmp's manifest (SHA-256 of every file) last, then renames tmp to final atomically.
 
-    An existing `final` is moved aside only once the new directory is whole, and removed after.
+    `known_hashes` are files other ranks wrote and hashed themselves (a shared filesystem may not
+    list them here yet); the rest of tmp is hashed here. An existing `final` is moved aside only
+    once the new directory is whole, and removed after.
     """
-    files = sorted(os.listdir(tmp))
-    manifest = {"step": step, "world_size": world_size,
-                "files": {name: _sha256(os.path.join(tmp, name)) for name in files}}
+    files = dict(known_hashes or {})
+    for name in sorted(os.listdir(tmp)):
+        if name not in files:
+            files[name] = _sha256(os.path.join(tmp, name))
+    manifest = {"step": step, "world_size": world_size, "files": dict(sorted(files.items()))}
     with open(os.path.join(tmp, MANIFEST), "w") as f:
         json.dump(manifest, f, indent=1, sort_keys=True)
     _fsync(os.path.join(tmp, MANIFEST))
@@ -315,64 +331,90 @@ def verify_checkpoint(path: str) -> dict:
 
 
 class _Reader:
-    def __init__(self, path: str, index: dict):
-        self.path, self.index, self.handles = path, index, {}
+    """Reads canonical tensors; verifies each file's SHA-256 against the manifest on first open."""
+
+    def __init__(self, path: str, index: dict, manifest_files: dict | None = None):
+        self.path, self.index, self.files, self.handles = path, index, manifest_files, {}
 
     def __call__(self, name: str) -> torch.Tensor:
         if name not in self.index:
             raise CheckpointError(f"checkpoint {self.path!r} has no tensor {name!r}")
         file = self.index[name]
         if file not in self.handles:
+            if self.files is not None:
+                _verify_file(self.path, file, self.files)
             self.handles[file] = safe_open(os.path.join(self.path, file), framework="pt")
         return self.handles[file].get_tensor(name)
+
+
+def _read_manifest(path: str) -> dict:
+    """The manifest's {file: sha256}, with index.json and state.json verified; CheckpointError else."""
+    manifest_path = os.path.join(path, MANIFEST)
+    if not os.path.isfile(manifest_path):
+        raise CheckpointError(f"checkpoint {path!r} has no {MANIFEST}: it was never committed")
+    try:
+        with open(manifest_path) as f:
+            files = dict(json.load(f)["files"])
+    except (ValueError, KeyError, TypeError, OSError) as e:
+        raise CheckpointError(f"checkpoint {path!r}: {MANIFEST} is unreadable ({e})") from None
+    for name in (INDEX, STATE):
+        _verify_file(path, name, files)
+    return files
+
+
+def _verify_file(path: str, name: str, files: dict):
+    if name not in files:
+        raise CheckpointError(f"checkpoint {path!r}: {name} is not listed in {MANIFEST}")
+    file = os.path.join(path, name)
+    if not os.path.isfile(file):
+        raise CheckpointError(f"checkpoint {path!r} is missing {name}")
+    if _sha256(file) != files[name]:
+        raise CheckpointError(f"checkpoint {path!r}: {name} does not match its SHA-256 in "
+                              f"{MANIFEST} (corrupt or modified)")
 
 
 def load_checkpoint(path: str, model, optimizer=None, owner: Owner | None = None) -> dict:
     """Restores model (and optimizer, RNG) in place after verifying; returns state.json's dict.
 
-    Works for any layout: each rank reads the canonical tensors its shard needs.
+    Works for any layout: each rank reads (and verifies the hashes of) only the files holding the
+    canonical tensors its shard needs. Every rank's verdict is gathered before anything is
+    changed, so either all ranks load or all raise the same CheckpointError.
     """
     owner = owner or Owner()
-    error = None
-    if owner.rank == 0:
-        try:
-            verify_checkpoint(path)
-        except CheckpointError as e:
-            error = str(e)
-    error = owner.broadcast(error)
-    if error:
-        raise CheckpointError(error)
-    with open(os.path.join(path, MANIFEST)) as f:
-        listed = set(json.load(f)["files"])
-    with open(os.path.join(path, INDEX)) as f:
-        index = json.load(f)
-    unlisted = sorted({file for part in index.values() for file in part.values()} - listed)
-    if unlisted:
-        raise CheckpointError(f"checkpoint {path!r}: index.json points at files the manifest does "
-                              f"not list: {unlisted[:3]}")
-    read = _Reader(path, index["model"])
-    expected = model.state_dict()
-    loaded = {}
-    for name, target in expected.items():
-        value = _wanted(model, name, read)
-        if value.shape != target.shape:
-            raise CheckpointError(f"checkpoint {path!r}: {name} has shape {tuple(value.shape)}, "
-                                  f"the model expects {tuple(target.shape)}")
-        loaded[name] = value
-    extra = set(index["model"]) - _canonical_names(model)
-    if extra:
-        raise CheckpointError(f"checkpoint {path!r} has tensors the model lacks: {sorted(extra)[:5]}")
+    error, loaded, optim, state = None, {}, {}, None
+    try:
+        files = _read_manifest(path)
+        with open(os.path.join(path, INDEX)) as f:
+            index = json.load(f)
+        with open(os.path.join(path, STATE)) as f:
+            state = json.load(f)
+        read = _Reader(path, index["model"], files)
+        for name, target in model.state_dict().items():
+            value = _wanted(model, name, read)
+            if value.shape != target.shape:
+                raise CheckpointError(f"checkpoint {path!r}: {name} has shape "
+                                      f"{tuple(value.shape)}, the model expects {tuple(target.shape)}")
+            loaded[name] = value
+        extra = set(index["model"]) - _canonical_names(model)
+        if extra:
+            raise CheckpointError(f"checkpoint {path!r} has tensors the model lacks: {sorted(extra)[:5]}")
+        if optimizer is not None:
+            optim = _read_optimizer(model, _Reader(path, index["optimizer"], files), index["optimizer"])
+    except CheckpointError as e:
+        error = str(e)
+    errors = [e for e in owner.gather(error) if e]
+    if errors:
+        raise CheckpointError(errors[0])
     with torch.no_grad():
-        for name, target in expected.items():
+        for name, target in model.state_dict().items():
             target.copy_(loaded[name])
-    if optimizer is not None:
-        _load_optimizer(model, optimizer, _Reader(path, index["optimizer"]), index["optimizer"])
+    for param, kinds in optim.items():
+        optimizer.state[param].update(kinds)
     rng = os.path.join(path, f"rng-r{owner.rank:05d}.safetensors")
     if os.path.isfile(rng):
         with safe_open(rng, framework="pt") as f:
             torch.set_rng_state(f.get_tensor("torch_cpu"))
-    with open(os.path.join(path, STATE)) as f:
-        return json.load(f)
+    return state
 
 
 def _canonical_names(model) -> set[str]:
@@ -389,15 +431,17 @@ def _canonical_names(model) -> set[str]:
     return names
 
 
-def _load_optimizer(model, optimizer, read, index):
+def _read_optimizer(model, read, index) -> dict:
+    """{param: {kind: tensor}} for this rank's parameters (applied only once all ranks agree)."""
     kinds = sorted({key.split("/", 1)[0] for key in index})
+    out = {}
     for name, param in model.named_parameters():
+        state = out.setdefault(param, {})
         for kind in kinds:
             if kind == "step":
-                continue
-            value = _wanted(model, name, lambda n: read(f"{kind}/{n}"))
-            optimizer.state[param][kind] = value.to(param)
-        if "step" in kinds:
-            # One step count per parameter; for experts, every expert's copy is the same.
-            step = _wanted(model, name, lambda n: read(f"step/{n}"))
-            optimizer.state[param]["step"] = step.flatten()[0].clone() if step.dim() else step
+                # One step count per parameter; for experts, every expert's copy is the same.
+                step = _wanted(model, name, lambda n: read(f"step/{n}"))
+                state["step"] = step.flatten()[0].clone() if step.dim() else step
+            else:
+                state[kind] = _wanted(model, name, lambda n, k=kind: read(f"{k}/{n}")).to(param)
+    return out
