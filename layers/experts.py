@@ -37,6 +37,7 @@ class _SwiGLU(torch.autograd.Function):
         grad_h = torch.empty_like(h)
         grad_gate, grad_up = grad_h.chunk(2, dim=-1)
         torch.mul(grad_out, silu_gate, out=grad_up)
+        # The ATen op autograd itself uses for silu, in its out= form (writes into the half).
         torch.ops.aten.silu_backward.grad_input(grad_out * up, gate, grad_input=grad_gate)
         return grad_h
 

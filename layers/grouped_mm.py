@@ -5,7 +5,8 @@ Legend: R rows (tokens sorted by expert), G groups (experts), I input features, 
 `torch._grouped_mm` is private API, so it is used here only: it runs all groups in one call (no
 Python loop over experts) for the dtypes and devices it supports, with its own autograd formula.
 Where it does not run (float64, older torch, devices without a kernel) a padded batched GEMM gives
-the same result: rows are scattered into a [G, max_rows, I] buffer, one `bmm`, gathered back.
+the same result: rows are scattered into a [G, max_rows, I] buffer, one `bmm`, gathered back;
+when routing is so skewed that the padding would exceed twice the rows, one GEMM per group.
 The choice is probed once per (device type, dtype) and cached, never re-decided inside the math.
 """
 
@@ -46,6 +47,9 @@ def grouped_mm_backend(device_type: str, dtype: torch.dtype) -> str:
 def _padded_mm(x_RI, w_GIO, rows_per_group: list[int]):
     num_groups = len(rows_per_group)
     max_rows = max(rows_per_group) if rows_per_group else 0
+    if num_groups * max_rows > 2 * x_RI.shape[0] + 1024:
+        # Skewed routing would make the padded buffer up to E/k times the rows: per group instead.
+        return torch.cat([x @ w_GIO[g] for g, x in enumerate(x_RI.split(rows_per_group))])
     counts_G = torch.tensor(rows_per_group, device=x_RI.device)
     group_R = torch.repeat_interleave(torch.arange(num_groups, device=x_RI.device), counts_G,
                                       output_size=x_RI.shape[0])

@@ -187,3 +187,18 @@ def test_native_backward_of_sum(dtype, native_calls):
     _, ref_dx, ref_dw = loop_reference(x_RI, w_GIO, [3, 0, 7], torch.ones(10, O_DIM))
     torch.testing.assert_close(x_RI.grad.double(), ref_dx, **TOLERANCE[dtype])
     torch.testing.assert_close(w_GIO.grad.double(), ref_dw, **TOLERANCE[dtype])
+
+
+def test_padded_fallback_with_skewed_groups_matches_loop():
+    """One group holding almost every row takes the per-group path; same result and grads."""
+    torch.manual_seed(3)
+    rows = [61, 0, 1, 1, 0, 1, 0, 0]
+    x = torch.randn(sum(rows), 6, dtype=torch.float64, requires_grad=True)
+    w = torch.randn(8, 6, 5, dtype=torch.float64, requires_grad=True)
+    y = grouped_mm(x, w, rows)
+    ref = torch.cat([xi @ w[g] for g, xi in enumerate(x.split(rows))])
+    torch.testing.assert_close(y, ref)
+    gx, gw = torch.autograd.grad(y.square().sum(), (x, w))
+    rx, rw = torch.autograd.grad(ref.square().sum(), (x, w))
+    torch.testing.assert_close(gx, rx)
+    torch.testing.assert_close(gw, rw)
