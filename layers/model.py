@@ -10,11 +10,12 @@ through SDPA. A layer is MoE when its index i >= first_k_dense and (i - first_k_
 
 from dataclasses import dataclass, field
 
-import torch
 import torch.nn.functional as F
 from torch import nn
 
 from .experts import ACTIVATIONS, FeedForward
+from .mla import MLA
+from .rope import RMSNorm, apply_rotary, rotary_tables
 from .moe import MoE
 from .router import RouterConfig, check_number
 
@@ -44,6 +45,12 @@ class ModelConfig:
     shared_ffn_dim: int = 0        # 0: moe_ffn_dim
     shared_gate: bool = False      # Qwen2-MoE sigmoid gate on the shared experts
     activation: str = "swiglu"
+    attention: str = "gqa"         # "gqa" (grouped-query) or "mla" (DeepSeek latent attention)
+    q_lora_rank: int = 0           # mla: q latent rank (0: a plain q projection)
+    kv_lora_rank: int = 0          # mla: kv latent rank
+    qk_nope_head_dim: int = 0      # mla: the part of a q/k head without RoPE
+    qk_rope_head_dim: int = 0      # mla: the part with RoPE (shared by all heads for k)
+    v_head_dim: int = 0            # mla: value head dim
     attention_bias: bool = False   # biases on the q, k, v projections (Qwen2-MoE)
     qk_norm: str = "none"          # RMSNorm on q and k: "head" (per head, Qwen3) or "full" (OLMoE)
     tie_embeddings: bool = False
@@ -73,7 +80,7 @@ class ModelConfig:
         if bad:
             raise ValueError(f"model.dense_layers={self.dense_layers} has layers outside "
                              f"[0, model.num_layers={self.num_layers}): {bad}")
-        if not self.head_dim and self.dim % self.num_heads:
+        if self.attention != "mla" and not self.head_dim and self.dim % self.num_heads:
             raise ValueError(f"model.dim={self.dim} must be divisible by model.num_heads="
                              f"{self.num_heads} (or set model.head_dim)")
         if self.num_heads % self.num_kv_heads:
@@ -81,40 +88,30 @@ class ModelConfig:
                              f"model.num_kv_heads={self.num_kv_heads}")
         if self.top_k > self.num_experts:
             raise ValueError(f"model.top_k={self.top_k} must be <= model.num_experts={self.num_experts}")
-        if self.head_dim_resolved % 2:
-            raise ValueError(f"head dim {self.head_dim_resolved} must be even for rotary embeddings")
+        if self.attention not in ("gqa", "mla"):
+            raise ValueError(f"model.attention={self.attention!r} is not one of 'gqa', 'mla'")
+        if self.attention == "mla":
+            for name in ("kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim"):
+                if getattr(self, name) < 1:
+                    raise ValueError(f"model.{name}={getattr(self, name)} must be >= 1 with "
+                                     "model.attention='mla'")
+            if self.qk_norm != "none" or self.attention_bias:
+                raise ValueError("model.attention='mla' takes no model.qk_norm or model.attention_bias")
+        if self.rope_dim % 2:
+            raise ValueError(f"rotary dim {self.rope_dim} must be even")
 
     @property
     def head_dim_resolved(self) -> int:
         return self.head_dim or self.dim // self.num_heads
 
+    @property
+    def rope_dim(self) -> int:
+        """The dims RoPE rotates per head: the whole head, or MLA's rope part."""
+        return self.qk_rope_head_dim if self.attention == "mla" else self.head_dim_resolved
+
     def is_moe_layer(self, i: int) -> bool:
         return (i >= self.first_k_dense and i not in self.dense_layers
                 and (i - self.first_k_dense) % self.moe_every == self.moe_offset)
-
-
-class RMSNorm(nn.Module):
-    def __init__(self, dim: int, eps: float):
-        super().__init__()
-        self.eps = eps
-        self.weight = nn.Parameter(torch.ones(dim))
-
-    def forward(self, x):
-        return F.rms_norm(x, (x.shape[-1],), self.weight, self.eps)
-
-
-def rotary_tables(seq_len: int, head_dim: int, theta: float, dtype=torch.float64):
-    """cos, sin of shape [S, Hd] for the rotate-half convention (frequencies repeated twice)."""
-    inv_freq = 1.0 / theta ** (torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim)
-    angles_SF = torch.outer(torch.arange(seq_len, dtype=torch.float64), inv_freq)
-    angles_SHd = torch.cat([angles_SF, angles_SF], dim=-1)
-    return angles_SHd.cos().to(dtype), angles_SHd.sin().to(dtype)
-
-
-def apply_rotary(x_BHSd, cos_SHd, sin_SHd):
-    x1, x2 = x_BHSd.chunk(2, dim=-1)
-    rotated = torch.cat([-x2, x1], dim=-1)
-    return x_BHSd * cos_SHd.to(x_BHSd.dtype) + rotated * sin_SHd.to(x_BHSd.dtype)
 
 
 class Attention(nn.Module):
@@ -166,7 +163,7 @@ class Block(nn.Module):
         out_std = cfg.init_std / (2 * cfg.num_layers) ** 0.5
         self.layer_id = layer_id
         self.attn_norm = RMSNorm(cfg.dim, cfg.norm_eps)
-        self.attn = Attention(cfg, out_std)
+        self.attn = MLA(cfg, out_std) if cfg.attention == "mla" else Attention(cfg, out_std)
         self.ffn_norm = RMSNorm(cfg.dim, cfg.norm_eps)
         self.is_moe = cfg.is_moe_layer(layer_id)
         if self.is_moe:
@@ -208,7 +205,7 @@ class Transformer(nn.Module):
             self.head = nn.Linear(cfg.dim, cfg.vocab_size, bias=False)
             nn.init.normal_(self.head.weight, std=cfg.init_std)
         # float64 tables: exact for float64 models; `.to(dtype)` rounds them once for others.
-        cos, sin = rotary_tables(cfg.max_seq_len, cfg.head_dim_resolved, cfg.rope_theta)
+        cos, sin = rotary_tables(cfg.max_seq_len, cfg.rope_dim, cfg.rope_theta)
         self.register_buffer("rope_cos", cos, persistent=False)
         self.register_buffer("rope_sin", sin, persistent=False)
 

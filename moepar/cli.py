@@ -9,7 +9,7 @@ __all__ = ["main"]
 USAGE = """moepar train CONFIG.toml [--nproc N] [--section.key=value ...]
        moepar bench moe-layer [--tokens N --dim D --ffn-dim F --experts E --top-k K --dtype T] [--ep N] [--json]
        moepar convert --from hf SRC_DIR --to moepar DST_DIR
-       moepar convert --from moepar SRC_DIR --to hf DST_DIR [--arch mixtral|qwen2_moe|qwen3_moe|olmoe]
+       moepar convert --from moepar SRC_DIR --to hf DST_DIR [--arch mixtral|qwen2_moe|qwen3_moe|olmoe|deepseek_v3]
        moepar bench dispatch --ep N [--tokens N --dim D --experts E --top-k K --dtype T] [--json]"""
 
 

@@ -1,4 +1,5 @@
-"""Hugging Face checkpoints in and out: Mixtral, Qwen2-MoE, Qwen3-MoE, OLMoE (names in hf_arch.py).
+"""Hugging Face checkpoints in and out: Mixtral, Qwen2-MoE, Qwen3-MoE, OLMoE, DeepSeek-V3
+(config fields and tensor names in hf_arch.py).
 
     moepar convert --from hf SRC_DIR --to moepar DST_DIR
     moepar convert --from moepar SRC_DIR --to hf DST_DIR [--arch NAME]
@@ -24,7 +25,8 @@ from safetensors.torch import save_file
 
 from moepar.config import sections_toml
 from moepar.hf_arch import (ARCHS, ConversionError, arch_by_name, canonical_to_hf,
-                            expected_canonical, hf_config_dict, hf_to_canonical, read_hf_config)
+                            expected_canonical, hf_config_dict, hf_to_canonical, read_hf_config,
+                            rope_interleaved)
 from moepar.layers.model import ModelConfig
 from moepar.layers.router import RouterConfig
 
@@ -98,11 +100,13 @@ def _canonical_from_hf(path: str):
     arch, model_cfg, router_cfg = read_hf_config(path)
     expected = expected_canonical(model_cfg, router_cfg)
     tied = model_cfg.tie_embeddings
+    with open(os.path.join(path, "config.json")) as f:
+        interleaved = rope_interleaved(json.load(f))
 
     def stream():
         produced = set()
         source = ((n, t) for n, t in hf_tensors(path) if not (tied and n == "lm_head.weight"))
-        for name, tensor in _checked(expected, hf_to_canonical(arch, model_cfg, source)):
+        for name, tensor in _checked(expected, hf_to_canonical(arch, model_cfg, source, interleaved)):
             if name in produced:
                 raise ConversionError(f"tensor {name!r} appears more than once")
             produced.add(name)
@@ -153,6 +157,8 @@ def hf_to_moepar(src: str, dst: str, max_shard_bytes: int = 2 << 30) -> str:
 
 
 def _infer_arch(model_cfg: ModelConfig) -> str:
+    if model_cfg.attention == "mla":
+        return "deepseek_v3"
     if model_cfg.qk_norm == "head":
         return "qwen3_moe"
     if model_cfg.qk_norm == "full":
@@ -199,7 +205,8 @@ def moepar_to_hf(src: str, dst: str, arch_name: str | None = None,
     os.makedirs(tmp)
     writer = _ShardWriter(tmp, "part-{:05d}.safetensors", max_shard_bytes)
     try:
-        for name, tensor in canonical_to_hf(arch, model_cfg, _checked(expected, canonical())):
+        for name, tensor in canonical_to_hf(arch, model_cfg, _checked(expected, canonical()),
+                                            rope_interleaved(source_cfg)):
             writer.add(name, tensor)
         writer.flush()
     except BaseException:

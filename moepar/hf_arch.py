@@ -1,7 +1,8 @@
 """Hugging Face architectures: config.json fields and tensor names, both ways.
 
-Mixtral, Qwen2-MoE, Qwen3-MoE and OLMoE map onto one moepar model (options: q/k norms, q/k/v
-biases, shared experts with a sigmoid gate, dense layers by step and list). `read_hf_config`
+Mixtral, Qwen2-MoE, Qwen3-MoE, OLMoE and DeepSeek-V3 map onto one moepar model (options: q/k
+norms, q/k/v biases, shared experts with or without a sigmoid gate, dense layers by step, list or
+first k, multi-head latent attention, sigmoid group-limited routing with a selection bias). `read_hf_config`
 reads config.json under all the names these architectures use; `hf_to_canonical` and
 `canonical_to_hf` stream tensors between HF names and moepar's canonical (layout-free) names,
 holding only a gate projection until its up projection arrives.
@@ -32,15 +33,20 @@ class Arch:
     moe: str               # the MoE block's attribute name
     expert: tuple          # (gate, up, down) projection names inside an expert
     qk_norm: str = "none"
-    shared: bool = False   # Qwen2-MoE shared expert (+ sigmoid gate)
+    shared: str = ""       # the shared MLP's attribute: Qwen2-MoE "shared_expert", DeepSeek "shared_experts"
+    shared_gate: bool = False  # Qwen2-MoE's sigmoid gate on it
     norm_topk_default: bool = False
+    mla: bool = False      # DeepSeek multi-head latent attention
 
 
 ARCHS = {a.name: a for a in (
     Arch("mixtral", "MixtralForCausalLM", "block_sparse_moe", ("w1", "w3", "w2"), norm_topk_default=True),
-    Arch("qwen2_moe", "Qwen2MoeForCausalLM", "mlp", ("gate_proj", "up_proj", "down_proj"), shared=True),
+    Arch("qwen2_moe", "Qwen2MoeForCausalLM", "mlp", ("gate_proj", "up_proj", "down_proj"),
+         shared="shared_expert", shared_gate=True),
     Arch("qwen3_moe", "Qwen3MoeForCausalLM", "mlp", ("gate_proj", "up_proj", "down_proj"), qk_norm="head"),
     Arch("olmoe", "OlmoeForCausalLM", "mlp", ("gate_proj", "up_proj", "down_proj"), qk_norm="full"),
+    Arch("deepseek_v3", "DeepseekV3ForCausalLM", "mlp", ("gate_proj", "up_proj", "down_proj"),
+         shared="shared_experts", mla=True, norm_topk_default=True),
 )}
 
 
@@ -76,6 +82,10 @@ def read_hf_config(path: str) -> tuple[Arch, ModelConfig, RouterConfig]:
     window = cfg.get("sliding_window")
     if window and cfg.get("use_sliding_window", True) and window < cfg.get("max_position_embeddings", 0):
         raise ConversionError(f"sliding_window={window} attention is not supported")
+    if arch.mla and cfg.get("attention_bias"):
+        raise ConversionError("attention_bias=true is not supported for deepseek_v3")
+    if arch.name in ("qwen3_moe", "olmoe") and cfg.get("attention_bias"):
+        raise ConversionError("attention_bias=true (o_proj bias too) is not supported")
     if cfg.get("clip_qkv") is not None:
         raise ConversionError(f"clip_qkv={cfg['clip_qkv']} is not supported")
     dim = cfg["hidden_size"]
@@ -85,22 +95,62 @@ def read_hf_config(path: str) -> tuple[Arch, ModelConfig, RouterConfig]:
     expert_ffn = _first(cfg, "moe_intermediate_size", "intermediate_size")
     model = ModelConfig(
         vocab_size=cfg["vocab_size"], dim=dim, num_layers=num_layers, num_heads=heads,
-        num_kv_heads=cfg.get("num_key_value_heads") or heads,
-        head_dim=cfg.get("head_dim") or 0,
+        num_kv_heads=heads if arch.mla else (cfg.get("num_key_value_heads") or heads),
+        head_dim=0 if arch.mla else (cfg.get("head_dim") or 0),
         ffn_dim=cfg.get("intermediate_size", expert_ffn), moe_ffn_dim=expert_ffn,
-        num_experts=_first(cfg, "num_local_experts", "num_experts", "n_routed_experts"),
+        num_experts=_first(cfg, "n_routed_experts", "num_local_experts", "num_experts"),
         top_k=cfg["num_experts_per_tok"], moe_every=step, moe_offset=step - 1,
+        first_k_dense=cfg.get("first_k_dense_replace", 0) or 0,
         dense_layers=list(cfg.get("mlp_only_layers") or []),
-        num_shared_experts=1 if arch.shared else 0,
-        shared_ffn_dim=cfg.get("shared_expert_intermediate_size", 0) if arch.shared else 0,
-        shared_gate=arch.shared, attention_bias=bool(cfg.get("qkv_bias", cfg.get("attention_bias", False))),
+        num_shared_experts=(cfg.get("n_shared_experts") or 1) if arch.shared else 0,
+        shared_ffn_dim=cfg.get("shared_expert_intermediate_size", expert_ffn) if arch.shared else 0,
+        shared_gate=arch.shared_gate,
+        attention_bias=bool(cfg.get("qkv_bias", True)) if arch.name == "qwen2_moe" else False,
         qk_norm=arch.qk_norm, tie_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+        **_mla_fields(arch, cfg),
         max_seq_len=cfg.get("max_position_embeddings", 4096),
         rope_theta=float(rope.get("rope_theta", cfg.get("rope_theta", 10000.0))),
         norm_eps=float(cfg.get("rms_norm_eps", 1e-6)), init_std=cfg.get("initializer_range", 0.02))
+    routing = {}
+    if arch.mla:   # sigmoid scores, score-correction bias, group-limited top-k, scaling
+        if cfg.get("topk_method", "noaux_tc") != "noaux_tc" or cfg.get("scoring_func", "sigmoid") != "sigmoid":
+            raise ConversionError("deepseek_v3 routing other than sigmoid noaux_tc is not supported")
+        routing = dict(score_func="sigmoid", n_group=cfg.get("n_group") or 1,
+                       topk_group=cfg.get("topk_group") or 1,
+                       routed_scaling_factor=float(cfg.get("routed_scaling_factor", 1.0)))
     router = RouterConfig(norm_topk_prob=bool(cfg.get("norm_topk_prob", arch.norm_topk_default)),
-                          balance_coeff=float(cfg.get("router_aux_loss_coef", 0.01)))
+                          balance_coeff=float(cfg.get("router_aux_loss_coef", 0.0 if arch.mla else 0.01)),
+                          **routing)
     return arch, model, router
+
+
+def _mla_fields(arch: Arch, cfg: dict) -> dict:
+    if not arch.mla:
+        return {}
+    return dict(attention="mla", q_lora_rank=cfg.get("q_lora_rank") or 0,
+                kv_lora_rank=cfg["kv_lora_rank"], qk_nope_head_dim=cfg["qk_nope_head_dim"],
+                qk_rope_head_dim=cfg["qk_rope_head_dim"], v_head_dim=cfg["v_head_dim"])
+
+
+def rope_interleaved(cfg_json: dict) -> bool:
+    """DeepSeek checkpoints store RoPE dims as interleaved pairs unless rope_interleave is false."""
+    return cfg_json.get("model_type") == "deepseek_v3" and cfg_json.get("rope_interleave", True)
+
+
+def _rope_rows(cfg: ModelConfig, which: str, inverse: bool) -> torch.Tensor:
+    """Row order turning interleaved RoPE pairs (x0,x1),(x2,x3).. into halves [x0,x2,..|x1,x3,..]."""
+    r = cfg.qk_rope_head_dim
+    perm = torch.cat([torch.arange(0, r, 2), torch.arange(1, r, 2)])
+    if inverse:
+        perm = torch.argsort(perm)
+    if which == "q":
+        head = cfg.qk_nope_head_dim + r
+        rows = torch.arange(cfg.num_heads * head).view(cfg.num_heads, head)
+        rows[:, cfg.qk_nope_head_dim:] = rows[:, cfg.qk_nope_head_dim:][:, perm]
+        return rows.flatten()
+    rows = torch.arange(cfg.kv_lora_rank + r)
+    rows[cfg.kv_lora_rank:] = rows[cfg.kv_lora_rank:][perm]
+    return rows
 
 
 # ---- names ------------------------------------------------------------------------------------
@@ -128,6 +178,19 @@ def _hf_role(arch: Arch, cfg: ModelConfig, name: str):
               "post_attention_layernorm.weight": "ffn_norm.weight"}
     if rest in simple:
         return f"{pre}.{simple[rest]}", "copy", 0
+    if arch.mla:
+        mla = {"self_attn.q_a_proj.weight": ("q_a_proj.weight", "copy"),
+               "self_attn.q_a_layernorm.weight": ("q_a_norm.weight", "copy"),
+               "self_attn.q_b_proj.weight": ("q_b_proj.weight", "rope_q"),
+               "self_attn.q_proj.weight": ("q_proj.weight", "rope_q"),
+               "self_attn.kv_a_proj_with_mqa.weight": ("kv_a_proj.weight", "rope_kv"),
+               "self_attn.kv_a_layernorm.weight": ("kv_a_norm.weight", "copy"),
+               "self_attn.kv_b_proj.weight": ("kv_b_proj.weight", "copy"),
+               "self_attn.o_proj.weight": ("o_proj.weight", "copy")}
+        if rest in mla:
+            return f"{pre}.attn.{mla[rest][0]}", mla[rest][1], 0
+        if rest.startswith("self_attn."):
+            return None
     m2 = re.match(r"^self_attn\.([qkvo]_proj\.(?:weight|bias)|[qk]_norm\.weight)$", rest)
     if m2:
         return f"{pre}.attn.{m2.group(1)}", "copy", 0
@@ -136,6 +199,8 @@ def _hf_role(arch: Arch, cfg: ModelConfig, name: str):
     if cfg.is_moe_layer(i):
         if rest == f"{moe}.gate.weight":
             return f"{pre}.ffn.router.weight", "copy", 0
+        if rest == f"{moe}.gate.e_score_correction_bias":
+            return f"{pre}.ffn.router.expert_bias_E", "copy", 0
         m3 = re.match(rf"^{moe}\.experts\.(\d+)\.(\w+)\.weight$", rest)
         if m3 and m3.group(2) in (gate, up, down) and int(m3.group(1)) < cfg.num_experts:
             e, proj = m3.group(1), m3.group(2)
@@ -147,12 +212,12 @@ def _hf_role(arch: Arch, cfg: ModelConfig, name: str):
         if rest == f"{moe}.experts.down_proj":
             return f"{pre}.ffn.experts", "stacked_down", 0
         if arch.shared:
-            m4 = re.match(r"^mlp\.shared_expert\.(gate|up|down)_proj\.weight$", rest)
+            m4 = re.match(rf"^{moe}\.{arch.shared}\.(gate|up|down)_proj\.weight$", rest)
             if m4:
                 if m4.group(1) == "down":
                     return f"{pre}.ffn.shared.ffn.w_out.weight", "copy", 0
                 return f"{pre}.ffn.shared.ffn.w_in.weight", "cat0", 0 if m4.group(1) == "gate" else 1
-            if rest == "mlp.shared_expert_gate.weight":
+            if arch.shared_gate and rest == f"{moe}.{arch.shared}_gate.weight":
                 return f"{pre}.ffn.shared.gate.weight", "copy", 0
         return None
     m5 = re.match(r"^mlp\.(gate|up|down)_proj\.weight$", rest)
@@ -173,8 +238,11 @@ def expected_canonical(model_cfg: ModelConfig, router_cfg: RouterConfig) -> dict
             canonical_items(model, model.state_dict(), Owner())}
 
 
-def hf_to_canonical(arch: Arch, cfg: ModelConfig, tensors):
-    """Streams (canonical name, tensor) from (HF name, tensor); holds only unpaired halves."""
+def hf_to_canonical(arch: Arch, cfg: ModelConfig, tensors, interleaved: bool = False):
+    """Streams (canonical name, tensor) from (HF name, tensor); holds only unpaired halves.
+
+    `interleaved`: the checkpoint's RoPE rows are interleaved pairs (DeepSeek); they are
+    reordered into rotate-half halves on the way in."""
     pending: dict[str, list] = {}
     for name, tensor in tensors:
         if _IGNORED.search(name):
@@ -186,6 +254,8 @@ def hf_to_canonical(arch: Arch, cfg: ModelConfig, tensors):
         target, how, part = role
         if how == "copy":
             yield target, tensor
+        elif how in ("rope_q", "rope_kv"):
+            yield target, (tensor[_rope_rows(cfg, how[5:], inverse=False)] if interleaved else tensor)
         elif how == "t":
             yield target, tensor.t().contiguous()
         elif how in ("cat_t", "cat0"):
@@ -208,7 +278,13 @@ def hf_to_canonical(arch: Arch, cfg: ModelConfig, tensors):
         raise ConversionError(f"gate/up halves without their partner for {missing}")
 
 
-def canonical_to_hf(arch: Arch, cfg: ModelConfig, tensors):
+_MLA_OUT = {"q_a_proj.weight": "q_a_proj.weight", "q_a_norm.weight": "q_a_layernorm.weight",
+            "q_b_proj.weight": "q_b_proj.weight", "q_proj.weight": "q_proj.weight",
+            "kv_a_proj.weight": "kv_a_proj_with_mqa.weight", "kv_a_norm.weight": "kv_a_layernorm.weight",
+            "kv_b_proj.weight": "kv_b_proj.weight", "o_proj.weight": "o_proj.weight"}
+
+
+def canonical_to_hf(arch: Arch, cfg: ModelConfig, tensors, interleaved: bool = False):
     """Streams (HF name, tensor) from (canonical name, tensor): the inverse of hf_to_canonical."""
     gate, up, down = arch.expert
     for name, t in tensors:
@@ -224,10 +300,17 @@ def canonical_to_hf(arch: Arch, cfg: ModelConfig, tensors):
             yield f"{pre}.input_layernorm.weight", t
         elif rest == "ffn_norm.weight":
             yield f"{pre}.post_attention_layernorm.weight", t
+        elif rest.startswith("attn.") and arch.mla:
+            local = rest[5:]
+            if interleaved and local in ("q_b_proj.weight", "q_proj.weight", "kv_a_proj.weight"):
+                t = t[_rope_rows(cfg, "kv" if local.startswith("kv") else "q", inverse=True)]
+            yield f"{pre}.self_attn.{_MLA_OUT[local]}", t
         elif rest.startswith("attn."):
             yield f"{pre}.self_attn.{rest[5:]}", t
         elif rest == "ffn.router.weight":
             yield f"{pre}.{arch.moe}.gate.weight", t
+        elif rest == "ffn.router.expert_bias_E" and arch.mla:
+            yield f"{pre}.{arch.moe}.gate.e_score_correction_bias", t
         elif rest == "ffn.router.expert_bias_E":
             if torch.count_nonzero(t):
                 raise ConversionError(f"{name} is non-zero (aux-loss-free balancing bias): "
@@ -242,14 +325,14 @@ def canonical_to_hf(arch: Arch, cfg: ModelConfig, tensors):
                 yield f"{base}.{gate}.weight", t[:, :half].t().contiguous()
                 yield f"{base}.{up}.weight", t[:, half:].t().contiguous()
         elif rest in ("ffn.w_in.weight", "ffn.shared.ffn.w_in.weight"):
-            base = f"{pre}.mlp" + (".shared_expert" if "shared" in rest else "")
+            base = f"{pre}.mlp" + (f".{arch.shared}" if "shared" in rest else "")
             half = t.shape[0] // 2
             yield f"{base}.gate_proj.weight", t[:half].contiguous()
             yield f"{base}.up_proj.weight", t[half:].contiguous()
         elif rest in ("ffn.w_out.weight", "ffn.shared.ffn.w_out.weight"):
-            yield f"{pre}.mlp" + (".shared_expert" if "shared" in rest else "") + ".down_proj.weight", t
+            yield f"{pre}.mlp" + (f".{arch.shared}" if "shared" in rest else "") + ".down_proj.weight", t
         elif rest == "ffn.shared.gate.weight":
-            yield f"{pre}.mlp.shared_expert_gate.weight", t
+            yield f"{pre}.mlp.{arch.shared}_gate.weight", t
         else:
             raise ConversionError(f"unexpected moepar tensor {name!r}")
 
@@ -260,14 +343,19 @@ def hf_config_dict(arch: Arch, cfg: ModelConfig, router: RouterConfig) -> dict:
     problems = []
     if cfg.qk_norm != arch.qk_norm:
         problems.append(f"model.qk_norm={cfg.qk_norm!r} ({arch.name} has {arch.qk_norm!r})")
-    if (cfg.num_shared_experts > 0) != arch.shared or (arch.shared and not cfg.shared_gate):
-        problems.append("shared experts" + (" with a sigmoid gate" if arch.shared else ""))
+    if (cfg.num_shared_experts > 0) != bool(arch.shared) or cfg.shared_gate != arch.shared_gate:
+        problems.append("shared experts" + (" with a sigmoid gate" if arch.shared_gate else ""))
     if cfg.attention_bias and arch.name != "qwen2_moe":
         problems.append("model.attention_bias=true")
+    if (cfg.attention == "mla") != arch.mla:
+        problems.append(f"model.attention={cfg.attention!r}")
     if arch.name in ("mixtral", "olmoe") and len(moe_layers) != cfg.num_layers:
         problems.append("dense layers")
-    if router.score_func != "softmax" or router.type != "topk" or router.n_group > 1:
-        problems.append("a router other than softmax top-k")
+    if arch.mla and moe_layers != list(range(cfg.first_k_dense, cfg.num_layers)):
+        problems.append("dense layers other than the first model.first_k_dense")
+    score = "sigmoid" if arch.mla else "softmax"
+    if router.score_func != score or router.type != "topk" or (router.n_group > 1 and not arch.mla):
+        problems.append(f"a router other than {score} top-k" + ("" if arch.mla else " without groups"))
     if cfg.activation != "swiglu":
         problems.append(f"model.activation={cfg.activation!r}")
     if problems:
@@ -300,6 +388,19 @@ def hf_config_dict(arch: Arch, cfg: ModelConfig, router: RouterConfig) -> dict:
                    qkv_bias=cfg.attention_bias)
     if arch.name == "qwen3_moe":
         out.update(attention_bias=False)
+    if arch.mla:
+        out.update(n_routed_experts=cfg.num_experts, moe_intermediate_size=cfg.moe_ffn_dim,
+                   intermediate_size=cfg.ffn_dim, n_shared_experts=cfg.num_shared_experts,
+                   first_k_dense_replace=cfg.first_k_dense, q_lora_rank=cfg.q_lora_rank or None,
+                   kv_lora_rank=cfg.kv_lora_rank, qk_nope_head_dim=cfg.qk_nope_head_dim,
+                   qk_rope_head_dim=cfg.qk_rope_head_dim, v_head_dim=cfg.v_head_dim,
+                   head_dim=cfg.qk_rope_head_dim, n_group=router.n_group,
+                   topk_group=router.topk_group, routed_scaling_factor=router.routed_scaling_factor,
+                   topk_method="noaux_tc", scoring_func="sigmoid", rope_interleave=True,
+                   attention_bias=False, num_key_value_heads=cfg.num_heads)
+        out.pop("num_experts", None)
+        if cfg.num_shared_experts and (cfg.shared_ffn_dim or cfg.moe_ffn_dim) != cfg.moe_ffn_dim:
+            raise ConversionError("deepseek_v3 shared experts have moe_intermediate_size each")
     return out
 
 

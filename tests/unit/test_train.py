@@ -196,3 +196,18 @@ def test_token_out_of_vocabulary_refused_at_load(tmp_path):
     with pytest.raises(ValueError, match=r"token id 299 at position 299 .*vocab_size=280"):
         Trainer(cfg, log=quiet)
     assert not (tmp_path / "run").exists()
+
+
+def test_deepseek_style_model_trains(tmp_path):
+    """MLA attention, sigmoid group-limited routing with the aux-loss-free bias, shared experts."""
+    cfg = tiny_config(tmp_path, "--model.attention=mla", "--model.q_lora_rank=16",
+                      "--model.kv_lora_rank=12", "--model.qk_nope_head_dim=8",
+                      "--model.qk_rope_head_dim=4", "--model.v_head_dim=6", "--model.num_experts=8",
+                      "--model.first_k_dense=1", "--model.num_shared_experts=1",
+                      "--router.score_func=sigmoid", "--router.n_group=2", "--router.topk_group=1",
+                      "--router.norm_topk_prob=true", "--router.routed_scaling_factor=2.5",
+                      "--router.bias_update_rate=0.01", "--router.balance_coeff=0", "--train.steps=3")
+    trainer = Trainer(cfg, log=quiet)
+    records = trainer.run()
+    assert all(math.isfinite(r["loss"]) and not r["skipped"] for r in records)
+    assert trainer.expert_bias_LE().abs().sum() > 0    # the bias moved with the load

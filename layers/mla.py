@@ -1,0 +1,60 @@
+"""Multi-head latent attention (DeepSeek-V2/V3): queries and keys/values through low-rank latents.
+
+Legend: B batch, S sequence, D model dim, H heads, Cq / Ckv the q and kv latent ranks,
+N the no-RoPE ("nope") and R the RoPE part of a q/k head, V the value head dim.
+
+    q      = q_b(norm(q_a(x)))            [B, S, H, N + R]    (or q_proj(x) when Cq = 0)
+    kv, kr = split(kv_a(x))               [B, S, Ckv], [B, S, R]   (kr: one key RoPE part for all heads)
+    k, v   = split(kv_b(norm(kv)))        [B, S, H, N], [B, S, H, V]
+    attention over [q_nope | rope(q_rot)] . [k_nope | rope(kr)], softmax scale (N + R)^-0.5
+
+RoPE here is the rotate-half form. DeepSeek's checkpoints lay the R rotary dims out in
+interleaved pairs; converting them is a fixed permutation of those weight rows (moepar.hf_arch),
+which leaves every q.k product unchanged.
+"""
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from .rope import RMSNorm, apply_rotary
+
+__all__ = ["MLA"]
+
+
+class MLA(nn.Module):
+    def __init__(self, cfg, out_init_std: float):
+        super().__init__()
+        self.num_heads = cfg.num_heads
+        self.nope, self.rope, self.v_dim = cfg.qk_nope_head_dim, cfg.qk_rope_head_dim, cfg.v_head_dim
+        qk_dim = self.nope + self.rope
+        if cfg.q_lora_rank:
+            self.q_a_proj = nn.Linear(cfg.dim, cfg.q_lora_rank, bias=False)
+            self.q_a_norm = RMSNorm(cfg.q_lora_rank, 1e-6)   # DeepSeek fixes these eps at 1e-6
+            self.q_b_proj = nn.Linear(cfg.q_lora_rank, cfg.num_heads * qk_dim, bias=False)
+            q_layers = (self.q_a_proj, self.q_b_proj)
+        else:
+            self.q_proj = nn.Linear(cfg.dim, cfg.num_heads * qk_dim, bias=False)
+            q_layers = (self.q_proj,)
+        self.kv_a_proj = nn.Linear(cfg.dim, cfg.kv_lora_rank + self.rope, bias=False)
+        self.kv_a_norm = RMSNorm(cfg.kv_lora_rank, 1e-6)
+        self.kv_b_proj = nn.Linear(cfg.kv_lora_rank, cfg.num_heads * (self.nope + self.v_dim), bias=False)
+        self.o_proj = nn.Linear(cfg.num_heads * self.v_dim, cfg.dim, bias=False)
+        for lin in q_layers + (self.kv_a_proj, self.kv_b_proj):
+            nn.init.normal_(lin.weight, std=cfg.init_std)
+        nn.init.normal_(self.o_proj.weight, std=out_init_std)
+        self.q_lora = bool(cfg.q_lora_rank)
+
+    def forward(self, x_BSD, cos_SR, sin_SR):
+        batch, seq, _ = x_BSD.shape
+        q = self.q_b_proj(self.q_a_norm(self.q_a_proj(x_BSD))) if self.q_lora else self.q_proj(x_BSD)
+        q_BHSq = q.view(batch, seq, self.num_heads, -1).transpose(1, 2)
+        q_nope, q_rot = q_BHSq.split([self.nope, self.rope], dim=-1)
+        kv, k_rot = self.kv_a_proj(x_BSD).split([self.kv_a_norm.weight.shape[0], self.rope], dim=-1)
+        kv_BHSx = self.kv_b_proj(self.kv_a_norm(kv)).view(batch, seq, self.num_heads, -1).transpose(1, 2)
+        k_nope, v_BHSV = kv_BHSx.split([self.nope, self.v_dim], dim=-1)
+        k_rot_B1SR = apply_rotary(k_rot.unsqueeze(1), cos_SR, sin_SR)
+        q_BHSq = torch.cat([q_nope, apply_rotary(q_rot, cos_SR, sin_SR)], dim=-1)
+        k_BHSq = torch.cat([k_nope, k_rot_B1SR.expand(-1, self.num_heads, -1, -1)], dim=-1)
+        o_BHSV = F.scaled_dot_product_attention(q_BHSq, k_BHSq, v_BHSV, is_causal=True)
+        return self.o_proj(o_BHSV.transpose(1, 2).reshape(batch, seq, -1))
