@@ -307,27 +307,11 @@ def latest_checkpoint(ckpt_root: str) -> str | None:
 
 
 def verify_checkpoint(path: str) -> dict:
-    """Checks the manifest and every file's SHA-256; returns the manifest or raises CheckpointError."""
-    manifest_path = os.path.join(path, MANIFEST)
-    if not os.path.isfile(manifest_path):
-        raise CheckpointError(f"checkpoint {path!r} has no {MANIFEST}: it was never committed")
-    try:
-        with open(manifest_path) as f:
-            manifest = json.load(f)
-        files = dict(manifest["files"])
-    except (ValueError, KeyError, TypeError, OSError) as e:
-        raise CheckpointError(f"checkpoint {path!r}: {MANIFEST} is unreadable ({e})") from None
-    for name in (INDEX, STATE):
-        if name not in files:
-            raise CheckpointError(f"checkpoint {path!r}: {MANIFEST} does not list {name}")
-    for name, digest in files.items():
-        file = os.path.join(path, name)
-        if not os.path.isfile(file):
-            raise CheckpointError(f"checkpoint {path!r} is missing {name}")
-        if _sha256(file) != digest:
-            raise CheckpointError(f"checkpoint {path!r}: {name} does not match its SHA-256 in "
-                                  f"{MANIFEST} (corrupt or modified)")
-    return manifest
+    """Checks the manifest and every file's SHA-256; returns {file: sha256} or raises CheckpointError."""
+    files = _read_manifest(path)
+    for name in files:
+        _verify_file(path, name, files)
+    return files
 
 
 class _Reader:

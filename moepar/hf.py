@@ -237,13 +237,24 @@ class CausalLM(torch.nn.Module):
 
 
 def from_hf(path: str, dtype: torch.dtype = torch.float32) -> CausalLM:
-    """Builds the moepar model for a HF folder and loads its weights (checked for completeness)."""
-    from moepar.checkpoint import _wanted
+    """Builds the moepar model for a HF folder and loads its weights (checked for completeness).
+
+    Tensors are copied into the model one by one as they stream in: memory holds the model and
+    one source tensor, never a second copy of the weights.
+    """
     from moepar.layers import Transformer
+    from moepar.layers.experts import GroupedExperts
     arch, model_cfg, router_cfg, stream = _canonical_from_hf(path)
     model = Transformer(model_cfg, router_cfg).to(dtype)
-    tensors = dict(stream)
+    targets = model.state_dict()
+    stacks = {name: {"w_in": m.w_in_EDH, "w_out": m.w_out_EFD} for name, m in model.named_modules()
+              if isinstance(m, GroupedExperts)}
     with torch.no_grad():
-        for name, target in model.state_dict().items():
-            target.copy_(_wanted(model, name, tensors.__getitem__))
+        for name, tensor in stream:          # names and shapes already checked against the model
+            prefix, _, short = name.rpartition(".")
+            owner, _, expert = prefix.rpartition(".")
+            if owner in stacks and expert.isdigit():
+                stacks[owner][short][int(expert)].copy_(tensor)
+            else:
+                targets[name].copy_(tensor)
     return CausalLM(model.eval())
