@@ -61,3 +61,10 @@ def test_layout_parity(worlds, tmp_path, single, size, overrides):
     load_checkpoint(f"{run_dir}/checkpoints/step_{STEPS}", model)
     for (name, p), q in zip(model.state_dict().items(), ref_trainer.model.state_dict().values()):
         torch.testing.assert_close(p, q, rtol=1e-9, atol=1e-12, msg=name)
+
+
+def test_world_of_one_equals_no_process_group(worlds, tmp_path, single):
+    """A one-rank world (process group up, every axis of size 1) is the single-process run."""
+    _, ref_records = single
+    (records,) = worlds(1).run(case_train, str(tmp_path / "run"), [], timeout=120)
+    assert records == ref_records

@@ -83,3 +83,15 @@ def test_bench_dispatch_json():
     assert set(cases) == {"alltoall", "alltoall+dedup", "allgather"}
     # every kept copy crosses once each way at most, dedup never sends more hidden bytes
     assert cases["alltoall+dedup"]["bytes_per_token_hidden"] <= cases["alltoall"]["bytes_per_token_hidden"]
+
+
+def test_under_torchrun(tmp_path):
+    """`torchrun --nproc_per_node 2 -m moepar train ...`: moepar joins the launcher's world."""
+    result = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
+         "-m", "moepar", "train", str(ROOT / "examples" / "tiny.toml"), "--parallel.ep=2",
+         "--train.steps=2", "--run.log_every=1", f"--run.dir={tmp_path}"],
+        capture_output=True, text=True, timeout=240)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert result.stdout.count("step     2/2") == 1          # rank 0 alone reports
+    assert "world 2 = pp 1 x dp 2 x tp 1; experts: pp 1 x edp 1 x ep 2" in result.stdout
