@@ -53,9 +53,9 @@ def test_layout_parity(worlds, tmp_path, single, size, overrides):
     run_dir = str(tmp_path / "run")
     results = worlds(size).run(case_train, run_dir, overrides, timeout=240)
     for rank_records in results:          # every rank reports the same global numbers
-        for got, want in zip(rank_records, ref_records):
+        for step, (got, want) in enumerate(zip(rank_records, ref_records), 1):
             for g, w in zip(got, want):
-                assert math.isclose(g, w, rel_tol=1e-9, abs_tol=1e-12), (got, want)
+                assert math.isclose(g, w, rel_tol=1e-9, abs_tol=1e-12), (step, got, want)
     # The sharded checkpoint loads into one process and equals the reference parameters.
     model = Transformer(ref_trainer.cfg.model, ref_trainer.cfg.router).double()
     load_checkpoint(f"{run_dir}/checkpoints/step_{STEPS}", model)
