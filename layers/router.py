@@ -231,7 +231,12 @@ class TopKRouter(_RouterBase):
         """True for the assignments each expert keeps: its `cap` best by the drop policy."""
         num_assign = expert_N.numel()
         if self.cfg.drop_policy == "probs":
-            priority_N = torch.argsort(weight_N, descending=True, stable=True)
+            # Rank by the weight on a 2^-20 grid, ties to the earlier token. Repeated text puts the
+            # same token in the same context at different positions; RoPE makes their weights
+            # equal up to rounding (seen: 3e-17 apart at the capacity boundary), and without the
+            # grid any change of summation order (another layout, kernel or reduction) flips
+            # which copy is dropped.
+            priority_N = torch.argsort(torch.round(weight_N * 2.0 ** 20), descending=True, stable=True)
         else:  # position: earlier tokens first
             priority_N = torch.arange(num_assign, device=expert_N.device)
         expert_sorted, idx = torch.sort(expert_N[priority_N], stable=True)

@@ -474,3 +474,14 @@ def test_bfloat16_autocast_gives_float32_weights():
     want = torch.softmax(logits, -1).topk(2, -1).values
     got = routing.weight_N.view(5, 2).sort(-1, descending=True).values
     assert torch.allclose(got, want, atol=1e-6)
+
+
+def test_probs_policy_ranks_near_ties_by_position():
+    """Weights closer than 2^-20 count as equal, so the earlier token keeps the slot; a real
+    difference still wins. (Rounding noise must not decide which copy is dropped.)"""
+    router = TopKRouter(2, 2, 1, RouterConfig(capacity_factor=0.5, drop_policy="probs"))
+    expert_N = torch.tensor([0, 0, 1, 1])
+    weight_N = torch.tensor([0.3, 0.3 + 1e-12, 0.3, 0.3 + 1e-3], dtype=torch.float64)
+    keep = router._within_capacity(expert_N, weight_N, cap=1)
+    # expert 0: near tie -> the earlier (index 0) stays; expert 1: a real gap -> index 3 stays
+    assert keep.tolist() == [True, False, False, True]
