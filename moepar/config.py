@@ -38,6 +38,7 @@ class ParallelConfig:
     dedup: bool = False          # alltoall: send a token once per EP rank, not once per expert
     debug_splits: bool = False   # check all-to-all split sizes across ranks (raises, never hangs)
     backend: str = "auto"        # process group backend: auto (nccl on CUDA, else gloo), gloo, nccl
+    bucket_mb: float = 25.0      # gradient buckets all-reduced while backward runs
 
     def __post_init__(self):
         if self.dp < 0:
@@ -52,6 +53,7 @@ class ParallelConfig:
                              f"{', '.join(map(repr, DISPATCHERS))}")
         if self.dedup and self.dispatcher != "alltoall":
             raise ValueError("parallel.dedup=true needs parallel.dispatcher='alltoall'")
+        check_number("parallel.bucket_mb", self.bucket_mb, strict=True)
         if self.backend not in ("auto", "gloo", "nccl"):
             raise ValueError(f"parallel.backend={self.backend!r} is not one of 'auto', 'gloo', 'nccl'")
 

@@ -26,7 +26,8 @@ from moepar.data import WindowSampler, check_token_range, load_tokens
 from moepar.layers import TopKRouter, Transformer
 from moepar.metrics import MetricsWriter, StepStats
 from moepar.parallel import ParallelDims, parallelize
-from moepar.parallel.data import clip_grad_norm, reduce_gradients
+from moepar.parallel.data import clip_grad_norm
+from moepar.parallel.ddp import OverlappedReducer
 
 __all__ = ["Trainer", "lr_at", "NonFiniteError", "build_dims"]
 
@@ -121,6 +122,8 @@ class Trainer:
                                  tcfg.activation_checkpointing).to(self.device)
         self.model.set_aux_loss_scale(1.0 / self.num_local_micro)
         self.optimizer = build_optimizer(self.model, tcfg)
+        self.reducer = (OverlappedReducer(self.model, self.meshes, self.dims, cfg.parallel.bucket_mb)
+                        if self.meshes is not None else None)
         self.sampler = WindowSampler(tokens, tcfg.seq_len, tcfg.micro_batch_size,
                                      tcfg.seed, cfg.model.vocab_size, name=f"data.source={cfg.data.source}")
         self.step = 0
@@ -191,9 +194,12 @@ class Trainer:
         loss_sum = torch.zeros((), dtype=torch.float64, device=self.device)
         base = self.sampler.position + self.first_micro
         for i in range(self.num_local_micro):
+            if self.reducer is not None and i == self.num_local_micro - 1:
+                self.reducer.arm()     # reduce while the last backward runs; earlier ones accumulate
             loss_sum += self._micro_batch(*self.sampler.batch(base + i), stats)
         self.sampler.position += self.num_micro
-        reduce_gradients(model, self.meshes, self.dims)
+        if self.reducer is not None:
+            self.reducer.finish()
         # Statistics and the loss of all dp ranks, in one all-reduce every rank issues.
         stats.reduce(self.meshes.group("dp") if self.meshes else None, extra=[loss_sum])
         max_norm = tcfg.grad_clip if tcfg.grad_clip > 0 else float("inf")
