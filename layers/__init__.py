@@ -1,4 +1,4 @@
-"""Single-device MoE model maths (never imports torch.distributed)."""
+"""Single-device MoE model maths: no communication here (that lives in moepar.parallel)."""
 
 from .dispatch import LocalDispatcher, LocalPlan
 from .experts import FeedForward, GroupedExperts, SharedExperts

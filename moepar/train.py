@@ -98,6 +98,8 @@ class Trainer:
         # Data errors surface here, on every rank, before any process group exists.
         tokens = load_tokens(cfg.data)
         check_token_range(tokens, cfg.model.vocab_size, f"data.source={cfg.data.source}")
+        self.sampler = WindowSampler(tokens, tcfg.seq_len, tcfg.micro_batch_size, tcfg.seed,
+                                     cfg.model.vocab_size, name=f"data.source={cfg.data.source}")
         self.meshes = None
         if world_size > 1:
             if not dist.is_initialized():
@@ -124,8 +126,6 @@ class Trainer:
         self.optimizer = build_optimizer(self.model, tcfg)
         self.reducer = (OverlappedReducer(self.model, self.meshes, self.dims, cfg.parallel.bucket_mb)
                         if self.meshes is not None else None)
-        self.sampler = WindowSampler(tokens, tcfg.seq_len, tcfg.micro_batch_size,
-                                     tcfg.seed, cfg.model.vocab_size, name=f"data.source={cfg.data.source}")
         self.step = 0
         if resume_path:
             state = load_checkpoint(resume_path, self.model, self.optimizer, self.owner)

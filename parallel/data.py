@@ -9,8 +9,8 @@ Talks on `dp` (dense gradients, step statistics), `edp` (expert gradients) and `
 
 Which group reduces a parameter is decided by the module that owns it (`GroupedExperts` or
 not), never by attributes on the parameter. Each group's gradients travel flattened into one
-buffer (one all-reduce per group per step). The overlapped, sharded version (DDP, ZeRO) replaces
-this file's `reduce_gradients` later; the norm stays.
+buffer. Training overlaps the same reduction with backward (ddp.py); `reduce_gradients` is its
+plain step-end form, kept as the reference the overlapped one is tested against.
 """
 
 import math
@@ -52,7 +52,11 @@ def all_reduce_sum(tensors: list[torch.Tensor], group, scale: float = 1.0):
 
 
 def reduce_gradients(model, meshes, dims):
-    """Dense grads averaged over dp; expert grads summed over edp and divided by dp."""
+    """Dense grads averaged over dp; expert grads summed over edp and divided by dp.
+
+    The plain, step-end form: training uses the overlapped reducer in ddp.py, which tests check
+    against this one.
+    """
     if meshes is None:
         return
     dense, experts = split_parameters(model)
