@@ -95,3 +95,31 @@ def test_under_torchrun(tmp_path):
     assert result.returncode == 0, result.stderr[-3000:]
     assert result.stdout.count("step     2/2") == 1          # rank 0 alone reports
     assert "world 2 = pp 1 x dp 2 x tp 1; experts: pp 1 x edp 1 x ep 2" in result.stdout
+
+
+def test_hf_convert_train_export_through_the_cli(tmp_path):
+    """The README's conversion flow with the real commands: HF -> moepar -> moepar train -> HF."""
+    transformers = pytest.importorskip("transformers")
+    import numpy as np
+    import torch
+    torch.manual_seed(0)
+    config = transformers.MixtralConfig(vocab_size=64, hidden_size=32, intermediate_size=48,
+                                        num_hidden_layers=2, num_attention_heads=4,
+                                        num_key_value_heads=2, num_local_experts=4,
+                                        num_experts_per_tok=2, max_position_embeddings=64,
+                                        initializer_range=0.1)
+    transformers.MixtralForCausalLM(config).save_pretrained(tmp_path / "hf")
+    np.save(tmp_path / "tokens.npy", np.random.default_rng(0).integers(0, 64, 4000).astype(np.uint16))
+    steps = [
+        ("convert", "--from", "hf", str(tmp_path / "hf"), "--to", "moepar", str(tmp_path / "mp")),
+        ("train", str(tmp_path / "mp" / "config.toml"), f"--run.init_from={tmp_path / 'mp'}",
+         "--data.source=tokens", f"--data.path={tmp_path / 'tokens.npy'}", "--train.steps=3",
+         "--train.seq_len=16", "--train.warmup_steps=1", f"--run.dir={tmp_path / 'run'}"),
+        ("convert", "--from", "moepar", str(tmp_path / "run" / "checkpoints" / "step_3"),
+         "--to", "hf", str(tmp_path / "back")),
+    ]
+    for args in steps:
+        result = moepar(*args)
+        assert result.returncode == 0, (args[0], result.stderr[-3000:])
+    model = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "back")
+    assert model.config.model_type == "mixtral" and model.config.num_local_experts == 4
