@@ -84,6 +84,23 @@ class _ShardWriter:
         self.buffer, self.size = {}, 0
 
 
+def _write_shards(dst: str, pattern: str, max_bytes: int, stream):
+    """Writes the stream's tensors into shards under `dst`.tmp; returns (tmp, writer). On any
+    error the temporary directory goes: nothing half-written is left to be mistaken for output."""
+    tmp = dst.rstrip("/") + ".tmp"
+    shutil.rmtree(tmp, ignore_errors=True)
+    os.makedirs(tmp)
+    writer = _ShardWriter(tmp, pattern, max_bytes)
+    try:
+        for name, tensor in stream:
+            writer.add(name, tensor)
+        writer.flush()
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return tmp, writer
+
+
 def _checked(expected: dict, stream):
     """Passes (name, tensor) through, refusing names or shapes the model does not have."""
     for name, tensor in stream:
@@ -128,17 +145,7 @@ def hf_to_moepar(src: str, dst: str, max_shard_bytes: int = 2 << 30) -> str:
     if os.path.exists(dst):
         raise ConversionError(f"{dst!r} already exists; choose a new directory")
     arch, model_cfg, router_cfg, stream = _canonical_from_hf(src)
-    tmp = dst.rstrip("/") + ".tmp"
-    shutil.rmtree(tmp, ignore_errors=True)
-    os.makedirs(tmp)
-    writer = _ShardWriter(tmp, "model-c{:05d}.safetensors", max_shard_bytes)
-    try:
-        for name, tensor in stream:
-            writer.add(name, tensor)
-        writer.flush()
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)   # nothing half-written is left to be mistaken
-        raise
+    tmp, writer = _write_shards(dst, "model-c{:05d}.safetensors", max_shard_bytes, stream)
     files = {"index.json": {"model": writer.weight_map, "optimizer": {}},
              "state.json": {"step": 0, "data_position": 0, "source": f"hf:{arch.name}",
                             "config": {"model": dataclasses.asdict(model_cfg),
@@ -200,18 +207,9 @@ def moepar_to_hf(src: str, dst: str, arch_name: str | None = None,
                     if name in index and index[name] == file:
                         yield name, f.get_tensor(name)
 
-    tmp = dst.rstrip("/") + ".tmp"
-    shutil.rmtree(tmp, ignore_errors=True)
-    os.makedirs(tmp)
-    writer = _ShardWriter(tmp, "part-{:05d}.safetensors", max_shard_bytes)
-    try:
-        for name, tensor in canonical_to_hf(arch, model_cfg, _checked(expected, canonical()),
-                                            rope_interleaved(source_cfg)):
-            writer.add(name, tensor)
-        writer.flush()
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
+    tmp, writer = _write_shards(dst, "part-{:05d}.safetensors", max_shard_bytes,
+                                canonical_to_hf(arch, model_cfg, _checked(expected, canonical()),
+                                                rope_interleaved(source_cfg)))
     names = {f"part-{i:05d}.safetensors": f"model-{i + 1:05d}-of-{writer.count:05d}.safetensors"
              for i in range(writer.count)}
     for old, new in names.items():

@@ -53,20 +53,22 @@ class StepStats:
     def summary(self) -> dict:
         """Scalars for this step; loads are routed copies before drops."""
         num_layers = max(self.tokens_LE.shape[0], 1)
-        micro = max(self.num_micro_batches, 1)
-        mean_L = self.tokens_LE.mean(1).clamp_min(1e-12)
-        max_ratio_L = self.tokens_LE.max(1).values / mean_L if self.tokens_LE.numel() else mean_L
-        cv_L = self.tokens_LE.std(1, correction=0) / mean_L if self.tokens_LE.numel() else mean_L
-        losses = (self.losses_3 / micro).tolist()
-        out = {
+        losses = (self.losses_3 / max(self.num_micro_batches, 1)).tolist()
+        max_ratio_L, cv_L = imbalance_L(self.tokens_LE)
+        return {
             "aux_loss": losses[0],
             "z_loss": losses[1],
             "balance": losses[2] / num_layers,
             "drop_fraction": float(self.dropped_L.sum() / self.assignments_L.sum().clamp_min(1)),
-            "max_load_ratio": float(max_ratio_L.max()) if self.tokens_LE.numel() else 0.0,
-            "load_cv": float(cv_L.mean()) if self.tokens_LE.numel() else 0.0,
+            "max_load_ratio": float(max_ratio_L.max()) if max_ratio_L.numel() else 0.0,
+            "load_cv": float(cv_L.mean()) if cv_L.numel() else 0.0,
         }
-        return out
+
+
+def imbalance_L(tokens_LE: torch.Tensor):
+    """Per layer: busiest expert over the mean load, and the coefficient of variation."""
+    mean_L = tokens_LE.mean(1).clamp_min(1e-12)
+    return tokens_LE.amax(1) / mean_L, tokens_LE.std(1, correction=0) / mean_L
 
 
 def load_heatmap(tokens_LE: torch.Tensor, cell: int = 24) -> torch.Tensor:
@@ -124,6 +126,7 @@ class MetricsWriter:
     def _write_load(self, stats: StepStats, step: int):
         tokens_LE = stats.tokens_LE.cpu()
         num_experts = tokens_LE.shape[1]
+        max_ratio_L, cv_L = imbalance_L(tokens_LE)
         for layer, load_E in enumerate(tokens_LE):
             # Expert index on the x axis, tokens routed to it as the bar height.
             self.tb.add_histogram_raw(
@@ -132,9 +135,8 @@ class MetricsWriter:
                 sum_squares=float((load_E * torch.arange(num_experts) ** 2).sum()),
                 bucket_limits=[float(e + 1) for e in range(num_experts)],
                 bucket_counts=load_E.tolist(), global_step=step)
-            mean = load_E.mean().clamp_min(1e-12)
-            self.tb.add_scalar(f"imbalance/max_over_mean/layer_{layer}", float(load_E.max() / mean), step)
-            self.tb.add_scalar(f"imbalance/cv/layer_{layer}", float(load_E.std(correction=0) / mean), step)
+            self.tb.add_scalar(f"imbalance/max_over_mean/layer_{layer}", float(max_ratio_L[layer]), step)
+            self.tb.add_scalar(f"imbalance/cv/layer_{layer}", float(cv_L[layer]), step)
             drop = stats.dropped_L[layer] / stats.assignments_L[layer].clamp_min(1)
             self.tb.add_scalar(f"dropped_fraction/layer_{layer}", float(drop), step)
         self.tb.add_image("load/layer_x_expert", load_heatmap(tokens_LE), step)

@@ -73,37 +73,28 @@ def _reduce_scatter(x, group):
     return out
 
 
-class _AllGatherRows(torch.autograd.Function):
+class _RowsCollective(torch.autograd.Function):
+    """forward: `op(x, group)`; backward: its adjoint `adjoint(grad, group)` (gather <-> reduce-scatter)."""
+
     @staticmethod
-    def forward(ctx, x, group):
-        ctx.group = group
-        return _gather(x, group)
+    def forward(ctx, x, group, op, adjoint):
+        ctx.group, ctx.adjoint = group, adjoint
+        return op(x, group)
 
     @staticmethod
     def backward(ctx, grad):
-        return _reduce_scatter(grad, ctx.group), None
-
-
-class _ReduceScatterRows(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x, group):
-        ctx.group = group
-        return _reduce_scatter(x, group)
-
-    @staticmethod
-    def backward(ctx, grad):
-        return _gather(grad, ctx.group), None
+        return ctx.adjoint(grad, ctx.group), None, None, None
 
 
 def all_gather_rows(x, group):
     """Concatenates every rank's x (same shape on all ranks) along dim 0, in rank order."""
     if group_size(group) == 1:
         return x
-    return _AllGatherRows.apply(x, group)
+    return _RowsCollective.apply(x, group, _gather, _reduce_scatter)
 
 
 def reduce_scatter_rows(x, group):
     """Sums x over ranks and returns this rank's block of rows (dim 0 divisible by the size)."""
     if group_size(group) == 1:
         return x
-    return _ReduceScatterRows.apply(x, group)
+    return _RowsCollective.apply(x, group, _reduce_scatter, _gather)
