@@ -95,7 +95,7 @@ def _print_dispatch(result: dict):
 
 def main(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(prog="moepar bench")
-    parser.add_argument("what", choices=["moe-layer", "dispatch"])
+    parser.add_argument("what", choices=["moe-layer", "dispatch", "memory"])
     parser.add_argument("--tokens", type=int, default=4096, help="tokens (per rank under --ep)")
     parser.add_argument("--dim", type=int, default=512)
     parser.add_argument("--ffn-dim", type=int, default=1024)
@@ -106,7 +106,15 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--repeats", type=int, default=11)
     parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--json", action="store_true", help="print one JSON object")
+    memory = parser.add_argument_group("memory")
+    memory.add_argument("--zero", type=int, choices=[0, 1, 2, 3], default=0)
+    memory.add_argument("--dp", type=int, default=1, help="data-parallel processes (local, gloo)")
+    memory.add_argument("--layers", type=int, default=4)
+    memory.add_argument("--heads", type=int, default=8)
+    memory.add_argument("--micro-batch", type=int, default=1)
     args = parser.parse_args(argv)
+    if args.what == "memory":
+        return _main_memory(args, argv)
     if args.what == "dispatch" and args.ep < 2:
         parser.error("dispatch needs --ep >= 2")
     if args.ep > 1 or args.what == "dispatch":
@@ -130,6 +138,20 @@ def _print_layer(result: dict, args):
     print(f"  ideal {result['ideal_ms']:9.1f} ms")
     if "naive_ms" in result:
         print(f"  naive {result['naive_ms']:9.1f} ms   ratio vs ideal {result['naive_ratio_vs_ideal']:.3f}")
+
+
+def _main_memory(args, argv: list[str]) -> int:
+    from moepar import bench_memory
+    if args.dp > 1 and not bench_memory.launched():
+        from moepar.cli import launch
+        return launch(args.dp, ["bench", *argv])
+    result = bench_memory.worker_main(args)
+    if int(os.environ.get("RANK", 0)) == 0:
+        if args.json:
+            print(json.dumps(result), flush=True)
+        else:
+            bench_memory.print_result(result)
+    return 0
 
 
 def _main_ep(args, argv: list[str]) -> int:

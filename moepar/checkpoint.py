@@ -32,6 +32,7 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 from moepar.layers.experts import GroupedExperts
+from moepar.parallel.zero import copy_full_into, full_tensor, shard_like
 
 __all__ = ["save_checkpoint", "load_checkpoint", "latest_checkpoint", "complete_steps",
            "verify_checkpoint", "commit", "recover_interrupted", "checkpoint_step",
@@ -152,14 +153,24 @@ def _save(tensors: dict, path: str) -> list[str]:
     return list(tensors)
 
 
+def _model_state(model) -> dict[str, torch.Tensor]:
+    """Parameter/buffer name -> whole tensor (ZeRO-3 shards gathered: a collective, in order)."""
+    return {name: full_tensor(t) for name, t in model.state_dict().items()}
+
+
 def _optimizer_state(model, optimizer) -> dict[str, torch.Tensor]:
-    """'<kind>/<param name>' -> tensor, scalars (step) as 0-d tensors."""
-    names = {id(p): n for n, p in model.named_parameters()}
+    """'<kind>/<param name>' -> whole tensor, scalars (step) as 0-d tensors.
+
+    A ZeRO-1/2 optimizer gathers its shards into whole parameters (`param_state`); ZeRO-3 state
+    is DTensors, gathered one by one in parameter order (the same order on every rank).
+    """
+    per_param = (optimizer.param_state() if hasattr(optimizer, "param_state")
+                 else optimizer.state)
     out = {}
-    for group in optimizer.param_groups:
-        for p in group["params"]:
-            for kind, value in optimizer.state.get(p, {}).items():
-                out[f"{kind}/{names[id(p)]}"] = value if torch.is_tensor(value) else torch.tensor(value)
+    for name, p in model.named_parameters():
+        for kind, value in sorted(per_param.get(p, {}).items()):
+            value = full_tensor(value) if torch.is_tensor(value) else torch.tensor(value)
+            out[f"{kind}/{name}"] = value
     return out
 
 
@@ -176,7 +187,7 @@ def save_checkpoint(ckpt_root: str, step: int, model, optimizer, state: dict, ke
     tag = f"r{owner.rank:05d}"
     model_file, optim_file = f"model-{tag}.safetensors", f"optimizer-{tag}.safetensors"
     written = {"model": {}, "optimizer": {}}
-    names = _save(dict(canonical_items(model, model.state_dict(), owner)),
+    names = _save(dict(canonical_items(model, _model_state(model), owner)),
                   os.path.join(tmp, model_file))
     written["model"].update({n: model_file for n in names})
     optim = {}
@@ -391,9 +402,13 @@ def load_checkpoint(path: str, model, optimizer=None, owner: Owner | None = None
         raise CheckpointError(errors[0])
     with torch.no_grad():
         for name, target in model.state_dict().items():
-            target.copy_(loaded[name])
-    for param, kinds in optim.items():
-        optimizer.state[param].update(kinds)
+            copy_full_into(target, loaded[name])
+    if optimizer is not None and hasattr(optimizer, "load_param_state"):
+        optimizer.load_param_state(optim)
+    else:
+        for param, kinds in optim.items():
+            optimizer.state[param].update({k: v if v.dim() == 0 else shard_like(v, param)
+                                           for k, v in kinds.items()})
     rng = os.path.join(path, f"rng-r{owner.rank:05d}.safetensors")
     if os.path.isfile(rng):
         with safe_open(rng, framework="pt") as f:
@@ -427,5 +442,6 @@ def _read_optimizer(model, read, index) -> dict:
                 step = _wanted(model, name, lambda n: read(f"step/{n}"))
                 state["step"] = step.flatten()[0].clone() if step.dim() else step
             else:
-                state[kind] = _wanted(model, name, lambda n, k=kind: read(f"{k}/{n}")).to(param)
+                state[kind] = _wanted(model, name, lambda n, k=kind: read(f"{k}/{n}")).to(
+                    dtype=param.dtype, device=param.device)
     return out

@@ -33,12 +33,13 @@ class ParallelConfig:
     tp: int = 1
     pp: int = 1
     ep: int = 1
-    zero: int = 0                # ZeRO stage 0..3
+    zero: int = 0                # 0 DDP; ZeRO 1 (optimizer state), 2 (+ gradients), 3 (+ parameters)
     dispatcher: str = "alltoall"  # token dispatch under ep > 1: "alltoall" or "allgather"
     dedup: bool = False          # alltoall: send a token once per EP rank, not once per expert
     debug_splits: bool = False   # check all-to-all split sizes across ranks (raises, never hangs)
     backend: str = "auto"        # process group backend: auto (nccl on CUDA, else gloo), gloo, nccl
-    bucket_mb: float = 25.0      # gradient buckets all-reduced while backward runs
+    bucket_mb: float = 25.0      # gradient buckets reduced while backward runs
+    grad_reduce_dtype: str = ""  # "" (the parameters' dtype), "bfloat16" or "float16" on the wire
 
     def __post_init__(self):
         if self.dp < 0:
@@ -54,6 +55,9 @@ class ParallelConfig:
         if self.dedup and self.dispatcher != "alltoall":
             raise ValueError("parallel.dedup=true needs parallel.dispatcher='alltoall'")
         check_number("parallel.bucket_mb", self.bucket_mb, strict=True)
+        if self.grad_reduce_dtype not in ("", "float32", "bfloat16", "float16"):
+            raise ValueError(f"parallel.grad_reduce_dtype={self.grad_reduce_dtype!r} is not one of "
+                             "'' (the parameters' dtype), 'float32', 'bfloat16', 'float16'")
         if self.backend not in ("auto", "gloo", "nccl"):
             raise ValueError(f"parallel.backend={self.backend!r} is not one of 'auto', 'gloo', 'nccl'")
 

@@ -25,9 +25,8 @@ from moepar.config import RunConfig, to_dict, to_toml
 from moepar.data import WindowSampler, check_token_range, load_tokens
 from moepar.layers import TopKRouter, Transformer
 from moepar.metrics import MetricsWriter, StepStats
-from moepar.parallel import ParallelDims, parallelize
+from moepar.parallel import ParallelDims, data_parallel, parallelize
 from moepar.parallel.data import clip_grad_norm
-from moepar.parallel.ddp import OverlappedReducer
 
 __all__ = ["Trainer", "lr_at", "NonFiniteError", "build_dims"]
 
@@ -48,10 +47,12 @@ def lr_at(step: int, cfg) -> float:
     return floor + (cfg.lr - floor) * 0.5 * (1 + math.cos(math.pi * progress))
 
 
-def build_optimizer(model, cfg):
-    """AdamW; weight decay on matrices (and expert stacks), none on norm weights."""
-    decay = [p for p in model.parameters() if p.dim() >= 2]
-    no_decay = [p for p in model.parameters() if p.dim() < 2]
+def adamw_factory(cfg):
+    """make_adamw(decay, no_decay): AdamW with weight decay on matrices (and expert stacks) only."""
+    return lambda decay, no_decay: _adamw(decay, no_decay, cfg)
+
+
+def _adamw(decay, no_decay, cfg):
     groups = [{"params": decay, "weight_decay": cfg.weight_decay},
               {"params": no_decay, "weight_decay": 0.0}]
     return torch.optim.AdamW(groups, lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), eps=cfg.eps,
@@ -123,9 +124,9 @@ class Trainer:
         self.model = parallelize(model, cfg.parallel, self.dims, self.meshes, self.rank,
                                  tcfg.activation_checkpointing).to(self.device)
         self.model.set_aux_loss_scale(1.0 / self.num_local_micro)
-        self.optimizer = build_optimizer(self.model, tcfg)
-        self.reducer = (OverlappedReducer(self.model, self.meshes, self.dims, cfg.parallel.bucket_mb)
-                        if self.meshes is not None else None)
+        # Data parallelism / ZeRO wraps the parameters last; it also decides what AdamW steps.
+        self.sync, self.optimizer = data_parallel(self.model, cfg.parallel, self.dims, self.meshes,
+                                                  adamw_factory(tcfg))
         self.step = 0
         if resume_path:
             state = load_checkpoint(resume_path, self.model, self.optimizer, self.owner)
@@ -134,7 +135,8 @@ class Trainer:
         elif cfg.run.init_from:
             load_checkpoint(cfg.run.init_from, self.model, None, self.owner)
             self.log(f"initialised weights from {cfg.run.init_from}")
-        self.log(f"layout: {self.dims.describe()}; {self.num_local_micro} micro-batch(es) of "
+        self.log(f"layout: {self.dims.describe()}; zero {cfg.parallel.zero}; "
+                 f"{self.num_local_micro} micro-batch(es) of "
                  f"{tcfg.micro_batch_size} per rank per step; device {self.device}")
 
     def _resume_path(self) -> str | None:
@@ -176,34 +178,39 @@ class Trainer:
             return torch.autocast(self.device.type, dtype=torch.bfloat16)
         return contextlib.nullcontext()
 
-    def _micro_batch(self, inputs_BS, targets_BS, stats: StepStats):
+    def _micro_batch(self, inputs_BS, targets_BS, stats: StepStats, last: bool = True):
         inputs_BS, targets_BS = inputs_BS.to(self.device), targets_BS.to(self.device)
+        self.sync.before_backward(last)
         with self._autocast():
             logits_BSV, moe_outputs = self.model(inputs_BS)
         logits_BSV = logits_BSV.to(torch.promote_types(logits_BSV.dtype, torch.float32))
         loss = F.cross_entropy(logits_BSV.flatten(0, 1), targets_BS.flatten())
         (loss / self.num_local_micro).backward()
+        self.sync.after_backward(last)
         stats.add(moe_outputs, self.cfg.router)
         return loss.detach()
+
+    def forward_backward(self, stats: StepStats) -> torch.Tensor:
+        """This rank's micro-batches of one step, gradients reduced; returns their loss sum."""
+        loss_sum = torch.zeros((), dtype=torch.float64, device=self.device)
+        base = self.sampler.position + self.first_micro
+        for i in range(self.num_local_micro):
+            # Gradients reduce while the last backward runs (ZeRO-2: every backward).
+            last = i == self.num_local_micro - 1
+            loss_sum += self._micro_batch(*self.sampler.batch(base + i), stats, last)
+        self.sampler.position += self.num_micro
+        return loss_sum
 
     def train_step(self) -> dict:
         """One optimizer step over this rank's micro-batches; returns the global metrics record."""
         tcfg, model = self.cfg.train, self.model
         start = time.perf_counter()
         stats = StepStats(len(model.moe_layers()), self.cfg.model.num_experts, self.device)
-        loss_sum = torch.zeros((), dtype=torch.float64, device=self.device)
-        base = self.sampler.position + self.first_micro
-        for i in range(self.num_local_micro):
-            if self.reducer is not None and i == self.num_local_micro - 1:
-                self.reducer.arm()     # reduce while the last backward runs; earlier ones accumulate
-            loss_sum += self._micro_batch(*self.sampler.batch(base + i), stats)
-        self.sampler.position += self.num_micro
-        if self.reducer is not None:
-            self.reducer.finish()
+        loss_sum = self.forward_backward(stats)
         # Statistics and the loss of all dp ranks, in one all-reduce every rank issues.
         stats.reduce(self.meshes.group("dp") if self.meshes else None, extra=[loss_sum])
         max_norm = tcfg.grad_clip if tcfg.grad_clip > 0 else float("inf")
-        grad_norm = float(clip_grad_norm(model, max_norm, self.meshes))
+        grad_norm = float(clip_grad_norm(self.sync.grad_groups(), max_norm, self.meshes))
         loss = float(loss_sum) / self.num_micro
         self.step += 1
         lr = lr_at(self.step, tcfg)

@@ -2,28 +2,31 @@
 
 Order (see shared DESIGN.md): expert and tensor parallelism (change shapes) -> activation
 checkpointing -> compile -> pipeline split -> data parallel / ZeRO (wraps parameters last).
-This version has expert and plain data parallelism; tensor and pipeline parallelism and ZeRO are
-refused at config time, before anything is built.
+This version has expert parallelism and data parallelism with ZeRO 0-3; tensor and pipeline
+parallelism are refused at config time, before anything is built.
 """
+
+import torch
 
 from .checkpointing import apply_activation_checkpointing
 from .dims import ParallelDims
+from .data import local_grad_groups
+from .ddp import OverlappedReducer
 from .expert import apply_ep
+from .zero import FullyShardedSync, ShardedAdamW, ZeroReducer
 
 __all__ = ["parallelize", "check_layout", "apply_activation_checkpointing", "apply_ep",
-           "ParallelDims"]
+           "ParallelDims", "data_parallel", "LocalSync"]
 
 
 def check_layout(parallel):
     """Raises ValueError naming every degree this version cannot run (config time, no processes)."""
     unsupported = {f"parallel.{k}": getattr(parallel, k) for k in ("tp", "pp") if getattr(parallel, k) != 1}
-    if parallel.zero:
-        unsupported["parallel.zero"] = parallel.zero
     if unsupported:
         names = ", ".join(f"{k}={v}" for k, v in unsupported.items())
-        raise ValueError(f"{names}: tensor and pipeline parallelism and ZeRO are not in this "
-                         "version yet; set parallel.tp=1, parallel.pp=1, parallel.zero=0 "
-                         "(parallel.ep and parallel.dp are supported)")
+        raise ValueError(f"{names}: tensor and pipeline parallelism are not in this version yet; "
+                         "set parallel.tp=1, parallel.pp=1 (parallel.ep, parallel.dp and "
+                         "parallel.zero are supported)")
 
 
 def parallelize(model, parallel, dims=None, meshes=None, rank: int = 0,
@@ -40,3 +43,49 @@ def parallelize(model, parallel, dims=None, meshes=None, rank: int = 0,
     if activation_checkpointing:
         apply_activation_checkpointing(model)
     return model
+
+
+class LocalSync:
+    """One process: nothing to reduce; the same interface as the reducers."""
+
+    reduce_every_micro = False
+
+    def __init__(self, model):
+        self.model = model
+
+    def before_backward(self, last: bool):
+        pass
+
+    def after_backward(self, last: bool):
+        pass
+
+    def grad_groups(self):
+        return local_grad_groups(self.model)
+
+
+_WIRE = {"": None, "float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def data_parallel(model, parallel, dims, meshes, make_adamw):
+    """The last step of parallelize: (gradient sync, optimizer) for parallel.zero.
+
+    `make_adamw(decay_params, no_decay_params)` builds the optimizer over whatever this stage
+    steps: the parameters (zero 0 and 3, DTensors under 3) or the flat shards (zero 1 and 2).
+    The sync object has before_backward(last) / after_backward(last) around each micro-batch's
+    backward and grad_groups() for the global norm (see data.clip_grad_norm).
+    """
+    def split(params):
+        params = list(params)
+        return [p for p in params if p.dim() >= 2], [p for p in params if p.dim() < 2]
+
+    if meshes is None:
+        return LocalSync(model), make_adamw(*split(model.parameters()))
+    wire = _WIRE[parallel.grad_reduce_dtype]
+    if parallel.zero == 0:
+        sync = OverlappedReducer(model, meshes, dims, parallel.bucket_mb, wire)
+        return sync, make_adamw(*split(model.parameters()))
+    if parallel.zero in (1, 2):
+        sync = ZeroReducer(model, meshes, dims, parallel.zero, parallel.bucket_mb, wire)
+        return sync, ShardedAdamW(sync, make_adamw)
+    sync = FullyShardedSync(model, meshes, dims, wire)
+    return sync, make_adamw(*split(model.parameters()))

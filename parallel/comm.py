@@ -15,7 +15,8 @@ function short-circuits on a group of one rank, so callers never branch on the d
 import torch
 import torch.distributed as dist
 
-__all__ = ["all_to_all", "all_gather_rows", "reduce_scatter_rows", "group_size", "to_wire"]
+__all__ = ["all_to_all", "all_gather_rows", "reduce_scatter_rows", "group_size", "to_wire",
+           "all_gather_single", "reduce_scatter_single"]
 
 
 def to_wire(x):
@@ -57,19 +58,19 @@ def all_to_all(x, out_splits: list[int], in_splits: list[int], group):
 
 
 # torch 2.13 renamed these (the old names warn); older torch has only the old ones.
-_all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-_reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 
 
 def _gather(x, group):
     out = x.new_empty((group_size(group) * x.shape[0],) + tuple(x.shape[1:]))
-    _all_gather_single(out, x.contiguous(), group=group)
+    all_gather_single(out, x.contiguous(), group=group)
     return out
 
 
 def _reduce_scatter(x, group):
     out = x.new_empty((x.shape[0] // group_size(group),) + tuple(x.shape[1:]))
-    _reduce_scatter_single(out, x.contiguous(), op=dist.ReduceOp.SUM, group=group)
+    reduce_scatter_single(out, x.contiguous(), op=dist.ReduceOp.SUM, group=group)
     return out
 
 

@@ -20,7 +20,8 @@ import torch.distributed as dist
 
 from moepar.layers.experts import GroupedExperts
 
-__all__ = ["split_parameters", "reduce_gradients", "clip_grad_norm", "all_reduce_sum"]
+__all__ = ["split_parameters", "reduce_gradients", "clip_grad_norm", "all_reduce_sum",
+           "local_grad_groups"]
 
 
 def split_parameters(model):
@@ -65,25 +66,40 @@ def reduce_gradients(model, meshes, dims):
         all_reduce_sum(grads, meshes.group(axis), 1.0 / dims.dp)
 
 
-def clip_grad_norm(model, max_norm: float, meshes) -> torch.Tensor:
-    """Global L2 norm of all gradients (each expert counted once), clipped to max_norm in place.
-
-    Dense gradients are identical on every rank after `reduce_gradients`; expert gradients are
-    identical across edp, so their squares are summed over ep only.
-    """
-    from torch.nn.utils import clip_grads_with_norm_, get_total_norm
+def local_grad_groups(model):
+    """Without a process group: dense and expert gradients, nothing to sum over."""
     dense, experts = split_parameters(model)
-    params = [p for p in dense + experts if p.grad is not None]
-    squares = torch.zeros(2, dtype=torch.float64, device=params[0].device)
-    for i, group in enumerate((dense, experts)):
-        grads = [p.grad for p in group if p.grad is not None]
-        if grads:
-            squares[i] = get_total_norm(grads).double().square()
+    return [([p.grad for p in dense if p.grad is not None], ()),
+            ([p.grad for p in experts if p.grad is not None], ())]
+
+
+_AXIS_ORDER = ("dp", "edp", "ep", "pp")
+
+
+def clip_grad_norm(groups, max_norm: float, meshes) -> torch.Tensor:
+    """Global L2 norm of all gradients, clipped to max_norm in place; returns the norm (float64).
+
+    `groups` is [(this rank's gradient tensors, axes)]: the squares of a group are summed over
+    its axes. Replicated gradients name no axis for their replicas (counted once); sharded ones
+    name the axes they are sharded over (every shard counted). Every rank passes the same group
+    structure, so the all-reduces (one per axis in use) line up.
+    """
+    from torch.nn.utils import get_total_norm
+    grads = [g for group, _ in groups for g in group]
+    device = grads[0].device if grads else torch.device("cpu")
+    squares = torch.zeros(len(groups), dtype=torch.float64, device=device)
+    for i, (group, _) in enumerate(groups):
+        if group:
+            squares[i] = get_total_norm(group).double().square()
     if meshes is not None:
-        expert_sq = squares[1:]
-        all_reduce_sum([expert_sq], meshes.group("ep"))
-        squares[1:] = expert_sq
+        for axis in _AXIS_ORDER:
+            rows = [i for i, (_, axes) in enumerate(groups) if axis in axes]
+            if rows:
+                part = squares[rows]
+                dist.all_reduce(part, group=meshes.group(axis))
+                squares[rows] = part
     total = squares.sum().sqrt()
-    if math.isfinite(max_norm):
-        clip_grads_with_norm_(params, max_norm, total.to(params[0].dtype))
+    if math.isfinite(max_norm) and grads:
+        coef = (max_norm / (total.to(grads[0].dtype) + 1e-6)).clamp(max=1.0)
+        torch._foreach_mul_(grads, coef)
     return total

@@ -15,7 +15,11 @@ order on every rank (a ready bucket waits for the ones before it), so every rank
 collectives in the same order across both groups. Earlier micro-batches only accumulate locally.
 `finish` launches whatever is left, waits, and writes the results back. torch's DDP cannot do
 this: it reduces every parameter over one group, and expert parameters need another group and
-divisor.
+divisor. ZeRO stages 1 and 2 (zero.py) reuse the buckets and the launch order with
+reduce-scatters instead.
+
+`reduce_dtype` (parallel.grad_reduce_dtype) sends gradients in bfloat16/float16 and converts the
+sums back; accumulation over micro-batches stays in the parameters' dtype.
 """
 
 import torch
@@ -27,40 +31,68 @@ __all__ = ["OverlappedReducer"]
 
 
 class _Bucket:
-    def __init__(self, params, group):
-        self.params, self.group = params, group
-        self.ready, self.buffer, self.handle = set(), None, None
+    def __init__(self, params, axis, group, decay):
+        self.params, self.axis, self.group, self.decay = params, axis, group, decay
+        self.ready, self.wire, self.handle = set(), None, None
 
 
 class OverlappedReducer:
-    def __init__(self, model, meshes, dims, bucket_mb: float = 25.0):
-        self.scale = 1.0 / dims.dp
+    """zero=0: every rank keeps full gradients, reduced on the step's last micro-batch."""
+
+    reduce_every_micro = False
+
+    def __init__(self, model, meshes, dims, bucket_mb: float = 25.0, reduce_dtype=None,
+                 split_decay: bool = False):
+        self.meshes, self.scale, self.reduce_dtype = meshes, 1.0 / dims.dp, reduce_dtype
         _, experts = split_parameters(model)
         in_expert = {id(p) for p in experts}
         limit = bucket_mb * 2 ** 20
         self.buckets: list[_Bucket] = []
-        current, size, current_group = [], 0, None
+        current, size, key = [], 0, None
+
+        def close():
+            axis, decay = key
+            self.buckets.append(_Bucket(current, axis, meshes.group(axis), decay))
+
         for p in reversed([p for p in model.parameters() if p.requires_grad]):
-            group = meshes.group("edp") if id(p) in in_expert else meshes.group("dp")
+            p_key = ("edp" if id(p) in in_expert else "dp", split_decay and p.dim() >= 2)
             nbytes = p.numel() * p.element_size()
-            if current and (group is not current_group or size + nbytes > limit):
-                self.buckets.append(_Bucket(current, current_group))
+            if current and (p_key != key or size + nbytes > limit):
+                close()
                 current, size = [], 0
             current.append(p)
-            current_group, size = group, size + nbytes
+            key, size = p_key, size + nbytes
         if current:
-            self.buckets.append(_Bucket(current, current_group))
+            close()
         self.bucket_of = {id(p): b for b in self.buckets for p in b.params}
         self.armed, self.next_launch = False, 0
         self.hooks = [p.register_post_accumulate_grad_hook(self._on_grad)
                       for b in self.buckets for p in b.params]
 
+    # -- the training step's view -----------------------------------------------------------
+    def before_backward(self, last: bool):
+        if last or self.reduce_every_micro:
+            self.arm()
+
+    def after_backward(self, last: bool):
+        if last or self.reduce_every_micro:
+            self.finish()
+
+    def grad_groups(self):
+        """[(local gradients, axes their squares are summed over)] for the global norm."""
+        dense = [p.grad for b in self.buckets if b.axis == "dp" for p in b.params
+                 if p.grad is not None]
+        experts = [p.grad for b in self.buckets if b.axis == "edp" for p in b.params
+                   if p.grad is not None]
+        return [(dense, ()), (experts, ("ep",))]
+
+    # -- overlap machinery --------------------------------------------------------------------
     def arm(self):
-        """The next backward is the step's last: reduce as its gradients become final."""
+        """The next backward reduces as its gradients become final."""
         self.armed, self.next_launch = True, 0
         for bucket in self.buckets:
             bucket.ready.clear()
-            bucket.buffer = bucket.handle = None
+            bucket.wire = bucket.handle = None
 
     def _on_grad(self, param):
         if not self.armed:
@@ -70,12 +102,30 @@ class OverlappedReducer:
         while self.next_launch < len(buckets) and \
                 len(buckets[self.next_launch].ready) == len(buckets[self.next_launch].params):
             self._launch(buckets[self.next_launch])
+            self.next_launch += 1
+
+    def _to_wire(self, flat):
+        return flat if self.reduce_dtype is None else flat.to(self.reduce_dtype)
+
+    def _flat_grads(self, bucket, pad: int = 0):
+        grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in bucket.params]
+        if pad:
+            grads.append(grads[0].new_zeros(pad))
+        return torch.cat([g.reshape(-1) for g in grads])
 
     def _launch(self, bucket: _Bucket):
-        grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in bucket.params]
-        bucket.buffer = torch.cat([g.reshape(-1) for g in grads])
-        bucket.handle = dist.all_reduce(bucket.buffer, group=bucket.group, async_op=True)
-        self.next_launch += 1
+        bucket.wire = self._to_wire(self._flat_grads(bucket))
+        bucket.handle = dist.all_reduce(bucket.wire, group=bucket.group, async_op=True)
+
+    def _complete(self, bucket: _Bucket):
+        offset = 0
+        for p in bucket.params:
+            chunk = bucket.wire[offset:offset + p.numel()].view_as(p)
+            if p.grad is None:
+                p.grad = chunk.to(p.dtype) * self.scale
+            else:
+                p.grad.copy_(chunk).mul_(self.scale)
+            offset += p.numel()
 
     def finish(self):
         """Launches the buckets backward did not complete, waits for all, writes the results."""
@@ -83,16 +133,9 @@ class OverlappedReducer:
             self.arm()
         while self.next_launch < len(self.buckets):
             self._launch(self.buckets[self.next_launch])
+            self.next_launch += 1
         for bucket in self.buckets:
             bucket.handle.wait()
-            bucket.buffer.mul_(self.scale)
-            offset = 0
-            for p in bucket.params:
-                chunk = bucket.buffer[offset:offset + p.numel()].view_as(p)
-                if p.grad is None:
-                    p.grad = chunk.clone()
-                else:
-                    p.grad.copy_(chunk)
-                offset += p.numel()
-            bucket.buffer = bucket.handle = None
+            self._complete(bucket)
+            bucket.wire = bucket.handle = None
         self.armed = False

@@ -14,7 +14,7 @@ def case_overlap_and_accumulation(run_dir: str):
     cfg = tiny_config(run_dir, "--train.dtype=float64", "--parallel.ep=2", "--parallel.bucket_mb=0.0005",
                       "--train.global_batch_size=8", "--train.micro_batch_size=2")
     trainer = Trainer(cfg, log=lambda _m: None)
-    reducer = trainer.reducer
+    reducer = trainer.sync
     assert trainer.num_local_micro == 2 and len(reducer.buckets) > 4
     calls = []
     real = dist.all_reduce
@@ -26,10 +26,10 @@ def case_overlap_and_accumulation(run_dir: str):
     stats = StepStats(len(trainer.model.moe_layers()), 4)
     dist.all_reduce = spy
     try:
-        trainer._micro_batch(*trainer.sampler.batch(trainer.first_micro), stats)
+        trainer._micro_batch(*trainer.sampler.batch(trainer.first_micro), stats, last=False)
         assert calls == [], "an accumulation micro-batch must not reduce"
-        reducer.arm()
-        trainer._micro_batch(*trainer.sampler.batch(trainer.first_micro + 1), stats)
+        reducer.after_backward = lambda last: None     # look before finish() writes back
+        trainer._micro_batch(*trainer.sampler.batch(trainer.first_micro + 1), stats, last=True)
         launched_in_backward = reducer.next_launch
     finally:
         dist.all_reduce = real

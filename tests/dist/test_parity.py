@@ -39,6 +39,14 @@ LAYOUTS = [
     (4, ["--parallel.ep=1"]),                        # pure data parallel
     (4, ["--parallel.ep=4", "--parallel.dedup=true"]),
     (2, ["--parallel.ep=2", "--parallel.dispatcher=allgather"]),
+    # ZeRO: dense state over dp, expert state over edp; small buckets so there are many shards.
+    (2, ["--parallel.ep=2", "--parallel.zero=1", "--parallel.bucket_mb=0.002"]),
+    (4, ["--parallel.dp=4", "--parallel.ep=2", "--parallel.zero=1"]),
+    (2, ["--parallel.ep=2", "--parallel.zero=2", "--parallel.bucket_mb=0.002"]),
+    (4, ["--parallel.dp=4", "--parallel.ep=2", "--parallel.zero=2", "--parallel.bucket_mb=0.002"]),
+    (2, ["--parallel.ep=2", "--parallel.zero=3"]),
+    (4, ["--parallel.dp=4", "--parallel.ep=2", "--parallel.zero=3"]),
+    (4, ["--parallel.ep=4", "--parallel.zero=3", "--train.activation_checkpointing=true"]),
 ]
 
 

@@ -103,8 +103,12 @@ def assert_continues(got, ep2_records):
         assert math.isclose(gnorm, w_gnorm, rel_tol=1e-9), (got, want)
 
 
-@pytest.mark.parametrize("overrides", [["--parallel.ep=4"], ["--parallel.dp=4", "--parallel.ep=2"]],
-                         ids=["ep4", "dp4_ep2"])
+@pytest.mark.parametrize("overrides", [
+    ["--parallel.ep=4"], ["--parallel.dp=4", "--parallel.ep=2"],
+    ["--parallel.dp=4", "--parallel.ep=2", "--parallel.zero=1"],
+    ["--parallel.ep=4", "--parallel.zero=2", "--parallel.bucket_mb=0.002"],
+    ["--parallel.dp=4", "--parallel.ep=2", "--parallel.zero=3"],
+], ids=["ep4", "dp4_ep2", "dp4_ep2_zero1", "ep4_zero2", "dp4_ep2_zero3"])
 def test_ep2_checkpoint_resumes_in_world_of_4(worlds, tmp_path, ep2_run, overrides):
     path, ep2_records = ep2_run
     results = worlds(4).run(case_resume_from, str(tmp_path / "run"), [*F64, *overrides], path,
@@ -118,6 +122,21 @@ def test_ep2_checkpoint_resumes_in_one_process(tmp_path, ep2_run):
     path, ep2_records = ep2_run
     trainer = Trainer(tiny_config(tmp_path / "run", *F64, f"--run.resume_from={path}"), log=quiet)
     assert trainer.dims.world_size == 1 and trainer.step == SAVED_STEP
+    got = summary([trainer.train_step() for _ in range(STEPS - SAVED_STEP)])
+    assert_continues(got, ep2_records)
+
+
+@pytest.mark.parametrize("zero", [1, 2, 3])
+def test_zero_checkpoint_resumes_in_one_process(worlds, tmp_path, ep2_run, zero):
+    """A ZeRO run saves whole tensors (sharded optimizer state gathered); one process resumes it."""
+    _, ep2_records = ep2_run
+    run_dir = tmp_path / "zero"
+    overrides = [*F64, "--parallel.ep=2", f"--parallel.zero={zero}", "--parallel.bucket_mb=0.002",
+                 f"--run.checkpoint_every={SAVED_STEP}"]
+    results = worlds(2).run(case_run, str(run_dir), overrides, timeout=120)
+    assert_continues(results[0][SAVED_STEP:], ep2_records)    # the ZeRO run is the ep=2 run
+    path = run_dir / "checkpoints" / f"step_{SAVED_STEP}"
+    trainer = Trainer(tiny_config(tmp_path / "one", *F64, f"--run.resume_from={path}"), log=quiet)
     got = summary([trainer.train_step() for _ in range(STEPS - SAVED_STEP)])
     assert_continues(got, ep2_records)
 

@@ -85,6 +85,18 @@ def test_bench_dispatch_json():
     assert cases["alltoall+dedup"]["bytes_per_token_hidden"] <= cases["alltoall"]["bytes_per_token_hidden"]
 
 
+def test_bench_memory_json():
+    """`moepar bench memory --zero 2 --dp 2 --ep 2`: two workers, each within 5% of the formula."""
+    result = moepar("bench", "memory", "--zero=2", "--dp=2", "--ep=2", "--dim=32", "--layers=2",
+                    "--heads=4", "--experts=4", "--json")
+    assert result.returncode == 0, result.stderr[-3000:]
+    record = json.loads(result.stdout.strip().splitlines()[-1])
+    assert (record["zero"], record["dp"], record["ep"], len(record["ranks"])) == (2, 2, 2, 2)
+    for rank in record["ranks"]:
+        for part in ("params", "grads", "optimizer"):
+            assert abs(rank["measured"][part] / rank["formula"][part] - 1) < 0.05, rank
+
+
 def test_under_torchrun(tmp_path):
     """`torchrun --nproc_per_node 2 -m moepar train ...`: moepar joins the launcher's world."""
     result = subprocess.run(

@@ -250,14 +250,27 @@ def test_dim_not_divisible_by_heads():
 @pytest.mark.parametrize("overrides, named", [
     (["--parallel.tp=2"], ["parallel.tp=2"]),
     (["--parallel.pp=4"], ["parallel.pp=4"]),
-    (["--parallel.zero=1"], ["parallel.zero=1"]),
-    (["--parallel.tp=2", "--parallel.zero=2"], ["parallel.tp=2", "parallel.zero=2"]),
+    (["--parallel.tp=2", "--parallel.pp=2", "--parallel.zero=2"], ["parallel.tp=2", "parallel.pp=2"]),
 ])
 def test_parallel_degrees_not_in_this_version_refused(overrides, named):
     with pytest.raises(ValueError, match=re.escape(named[0])) as e:
         load_config(None, overrides)
     for n in named:
         assert n in str(e.value)
+
+
+@pytest.mark.parametrize("overrides, message", [
+    (["--parallel.zero=4"], "parallel.zero=4 is not one of 0, 1, 2, 3"),
+    (["--parallel.grad_reduce_dtype=int8"], "parallel.grad_reduce_dtype='int8' is not one of"),
+])
+def test_zero_and_wire_dtype_checked(overrides, message):
+    with pytest.raises(ValueError, match=re.escape(message)):
+        load_config(None, overrides)
+
+
+def test_zero_stages_and_wire_dtype_accepted():
+    cfg = load_config(None, ["--parallel.zero=3", "--parallel.grad_reduce_dtype=bfloat16"])
+    assert (cfg.parallel.zero, cfg.parallel.grad_reduce_dtype) == (3, "bfloat16")
 
 
 def test_expert_and_data_parallel_degrees_accepted_and_checked_against_experts():

@@ -1,0 +1,255 @@
+"""ZeRO: optimizer state (stage 1), gradients (2) and parameters (3) sharded; dense state over `dp`,
+expert state over `edp`.
+
+Talks on `dp` and `edp` (reduce-scatter of gradients, all-gather of parameters).
+
+| stage | what each rank keeps between steps                   | machinery                          |
+|-------|------------------------------------------------------|------------------------------------|
+| 1     | full parameters and gradients, 1/N of AdamW state    | `ZeroReducer` + `ShardedAdamW` here |
+| 2     | full parameters, 1/N of gradients and AdamW state    | `ZeroReducer` + `ShardedAdamW` here |
+| 3     | 1/N of parameters, gradients and AdamW state         | torch FSDP2 `fully_shard`          |
+
+Stages 1 and 2 are a small piece of our own on the DDP buckets (ddp.py): each bucket's parameters
+become views into one flat buffer, padded to a multiple of the group size N, and rank i owns the
+i-th contiguous 1/N of it. AdamW steps a `Parameter` that is a view of that slice, so updating the
+shard updates the model's parameters in place; one all-gather per bucket then refreshes the rest.
+Buckets never mix decayed and undecayed parameters, so every shard has one weight decay.
+- stage 1: gradients accumulate in a persistent flat buffer; on the last micro-batch each bucket
+  is reduce-scattered while backward runs and the rank's slice becomes the shard's gradient.
+- stage 2: every micro-batch reduce-scatters each bucket as soon as it is final and frees the
+  full gradients, adding the result into the shard's gradient (the ZeRO-2 trade: one
+  reduce-scatter per micro-batch for 1/N gradient memory).
+torch's ZeroRedundancyOptimizer gives each rank whole parameters (uneven shards, no gradient
+sharding) and FSDP2 has no "parameters replicated, gradients sharded" mode, hence this piece.
+
+Stage 3 is FSDP2: each `GroupedExperts` is sharded over `edp`, each block and the root over `dp`;
+FSDP averages over its mesh, so expert gradients get an all-reduce hook that rescales the mean
+over edp into (sum over edp) / dp, the same normalisation as dense parameters (see expert.py).
+Sum-only reductions are forced because gloo has no PREMUL_SUM.
+"""
+
+import math
+import warnings
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from . import comm
+from .data import split_parameters
+from .ddp import OverlappedReducer
+
+__all__ = ["ZeroReducer", "ShardedAdamW", "FullyShardedSync", "full_tensor", "shard_like",
+           "copy_full_into"]
+
+
+class ZeroReducer(OverlappedReducer):
+    def __init__(self, model, meshes, dims, stage: int, bucket_mb: float = 25.0, reduce_dtype=None):
+        super().__init__(model, meshes, dims, bucket_mb, reduce_dtype, split_decay=True)
+        if stage not in (1, 2):
+            raise ValueError(f"ZeroReducer is for parallel.zero=1 or 2, not {stage}")
+        self.stage, self.reduce_every_micro = stage, stage == 2
+        with torch.no_grad():
+            for bucket in self.buckets:
+                self._flatten(bucket)
+
+    def _flatten(self, b):
+        n = dist.get_world_size(b.group)
+        b.size, b.index = n, dist.get_rank(b.group)
+        numel = sum(p.numel() for p in b.params)
+        b.shard_len = math.ceil(numel / n)
+        b.pad = b.shard_len * n - numel
+        first = b.params[0]
+        b.flat = torch.zeros(b.shard_len * n, dtype=first.dtype, device=first.device)
+        offset = 0
+        for p in b.params:
+            b.flat[offset:offset + p.numel()].copy_(p.reshape(-1))
+            p.data = b.flat[offset:offset + p.numel()].view_as(p)
+            offset += p.numel()
+        mine = slice(b.index * b.shard_len, (b.index + 1) * b.shard_len)
+        b.mine = mine
+        b.shard = nn.Parameter(b.flat[mine])          # shares storage with the parameters
+        b.flat_grad = None
+        if self.stage == 1:
+            b.flat_grad = torch.zeros_like(b.flat)
+            self._attach_grads(b)
+
+    def _attach_grads(self, b):
+        offset = 0
+        for p in b.params:
+            p.grad = b.flat_grad[offset:offset + p.numel()].view_as(p)
+            offset += p.numel()
+
+    def zero_grad(self):
+        for b in self.buckets:
+            b.shard.grad = None
+            if b.flat_grad is not None:
+                b.flat_grad.zero_()
+                self._attach_grads(b)     # in case anything replaced a view
+            else:
+                for p in b.params:
+                    p.grad = None
+
+    def grad_groups(self):
+        dense = [b.shard.grad for b in self.buckets if b.axis == "dp" and b.shard.grad is not None]
+        experts = [b.shard.grad for b in self.buckets
+                   if b.axis == "edp" and b.shard.grad is not None]
+        return [(dense, ("dp",)), (experts, ("edp", "ep"))]
+
+    def _launch(self, b):
+        if b.flat_grad is not None:
+            flat = b.flat_grad
+        else:
+            flat = self._flat_grads(b, b.pad)
+            for p in b.params:
+                p.grad = None                          # stage 2: only the shard survives
+        b.wire = self._to_wire(flat)
+        b.out = torch.empty(b.shard_len, dtype=b.wire.dtype, device=b.wire.device)
+        b.handle = comm.reduce_scatter_single(b.out, b.wire, group=b.group, async_op=True)
+
+    def _complete(self, b):
+        reduced = b.out.to(b.flat.dtype).mul_(self.scale)
+        if b.flat_grad is not None:
+            target = b.flat_grad[b.mine]
+            target.copy_(reduced)
+            b.shard.grad = target
+        elif b.shard.grad is None:
+            b.shard.grad = reduced
+        else:
+            b.shard.grad.add_(reduced)
+        b.out = None
+
+
+class ShardedAdamW:
+    """AdamW over the ZeroReducer's shards; after each step, one all-gather per bucket.
+
+    Looks like a torch optimizer to the trainer (param_groups, step, zero_grad); checkpoints go
+    through `param_state` / `load_param_state`, which speak in whole parameters.
+    """
+
+    def __init__(self, reducer: ZeroReducer, make_adamw):
+        self.reducer = reducer
+        buckets = reducer.buckets
+        self.inner = make_adamw([b.shard for b in buckets if b.decay],
+                                [b.shard for b in buckets if not b.decay])
+        self.param_groups, self.state = self.inner.param_groups, self.inner.state
+
+    @torch.no_grad()
+    def step(self):
+        self.inner.step()
+        handles = []
+        for b in self.reducer.buckets:
+            if b.size > 1:
+                handles.append(comm.all_gather_single(b.flat, b.shard.detach().clone(),
+                                                           group=b.group, async_op=True))
+        for handle in handles:
+            handle.wait()
+
+    def zero_grad(self, set_to_none: bool = True):
+        self.reducer.zero_grad()
+
+    def _full(self, b, shard):
+        if b.size == 1:
+            return shard
+        full = shard.new_empty(b.shard_len * b.size)
+        comm.all_gather_single(full, shard.contiguous(), group=b.group)
+        return full
+
+    def param_state(self) -> dict:
+        """{parameter: {kind: full tensor}} (a collective over each bucket's group)."""
+        out = {}
+        for b in self.reducer.buckets:
+            state = self.inner.state.get(b.shard, {})
+            for kind in sorted(state):
+                value = state[kind]
+                full = self._full(b, value) if value.dim() else value
+                offset = 0
+                for p in b.params:
+                    out.setdefault(p, {})[kind] = (full[offset:offset + p.numel()].view_as(p)
+                                                   if value.dim() else value.clone())
+                    offset += p.numel()
+        return out
+
+    def load_param_state(self, per_param: dict):
+        for b in self.reducer.buckets:
+            kinds = per_param.get(b.params[0], {})
+            state = self.inner.state[b.shard]
+            for kind, first in kinds.items():
+                if first.dim() == 0:
+                    state[kind] = first.clone()
+                    continue
+                full = torch.cat([per_param[p][kind].reshape(-1) for p in b.params]
+                                 + [first.new_zeros(b.pad)])
+                state[kind] = full[b.mine].to(b.flat).clone()
+
+
+class FullyShardedSync:
+    """zero=3: FSDP2 over two meshes; the training step's side of it."""
+
+    reduce_every_micro = True
+
+    def __init__(self, model, meshes, dims, reduce_dtype=None):
+        from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
+        from torch.distributed.tensor import Shard
+        self.model = model
+        policy = MixedPrecisionPolicy(reduce_dtype=reduce_dtype)
+        dp_mesh, edp_mesh = meshes.dense["dp"], meshes.expert["edp"]
+
+        def placement(mesh):
+            # Shard the first dimension the group divides (experts: [E_local, D, H] with
+            # E_local < edp would otherwise be padded), else dimension 0.
+            size = mesh.size()
+            return lambda p: Shard(next((d for d in range(p.dim()) if p.shape[d] % size == 0), 0))
+
+        expert_scale = dims.edp / dims.dp
+        for block in model.layers:
+            if block.is_moe:
+                experts = block.ffn.experts
+                fully_shard(experts, mesh=edp_mesh, mp_policy=policy,
+                            shard_placement_fn=placement(edp_mesh))
+                if expert_scale != 1.0:
+                    experts.set_all_reduce_hook(lambda g, s=expert_scale: g.mul_(s))
+            fully_shard(block, mesh=dp_mesh, mp_policy=policy, shard_placement_fn=placement(dp_mesh))
+        fully_shard(model, mesh=dp_mesh, mp_policy=policy, shard_placement_fn=placement(dp_mesh))
+        for m in model.modules():
+            if isinstance(m, FSDPModule):
+                m.set_force_sum_reduction_for_comms(True)
+        # A block's outputs include MoEOutput.y, a view that Block already consumed out of place
+        # (h + y); FSDP's warning about in-place ops on returned views does not apply.
+        warnings.filterwarnings("ignore", message=r"FSDP2-wrapped module \(FSDP(Block|Transformer)\) "
+                                r"returned a view tensor")
+
+    def before_backward(self, last: bool):
+        self.model.set_requires_gradient_sync(last)
+
+    def after_backward(self, last: bool):
+        pass
+
+    def grad_groups(self):
+        dense, experts = split_parameters(self.model)
+        return [([p.grad.to_local() for p in dense if p.grad is not None], ("dp",)),
+                ([p.grad.to_local() for p in experts if p.grad is not None], ("edp", "ep"))]
+
+
+def full_tensor(t: torch.Tensor) -> torch.Tensor:
+    """The whole tensor of a DTensor (a collective over its mesh); plain tensors unchanged."""
+    from torch.distributed.tensor import DTensor
+    return t.full_tensor() if isinstance(t, DTensor) else t
+
+
+def shard_like(full: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+    """`full` laid out like `target`: this rank's shard for a DTensor (no communication)."""
+    from torch.distributed.tensor import DTensor, distribute_tensor
+    if not isinstance(target, DTensor):
+        return full.to(dtype=target.dtype, device=target.device)
+    full = full.to(dtype=target.dtype, device=target.device)
+    return distribute_tensor(full, target.device_mesh, target.placements, src_data_rank=None)
+
+
+def copy_full_into(target: torch.Tensor, full: torch.Tensor):
+    """Writes the whole tensor `full` into `target`, or into this rank's shard of a DTensor."""
+    local = shard_like(full, target)
+    if hasattr(local, "to_local"):
+        target.to_local().copy_(local.to_local())
+    else:
+        target.copy_(local)

@@ -1,0 +1,130 @@
+"""ZeRO stages: memory per rank as the formula says, accumulation equal to one big batch, the
+reduce-scatter schedule of stages 1 and 2, and reduced-precision gradients on the wire."""
+
+import math
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from configs import tiny_config
+from moepar.bench_memory import formula, measure
+from moepar.data import WindowSampler
+from moepar.metrics import StepStats
+from moepar.parallel import comm
+from moepar.train import Trainer
+
+
+def quiet(_msg):
+    pass
+
+
+def case_memory(run_dir: str, zero: int, overrides: list[str]):
+    trainer = Trainer(tiny_config(f"{run_dir}/z{zero}", f"--parallel.zero={zero}", *overrides),
+                      log=quiet)
+    trainer.train_step()
+    return measure(trainer), formula(trainer)
+
+
+@pytest.mark.parametrize("zero", [0, 1, 2, 3])
+def test_memory_per_rank_matches_the_formula(worlds, tmp_path, zero):
+    # dp=4, ep=2: dense state over 4 ranks, expert state over edp=2. 8 experts so that the
+    # expert stacks are big enough for padding to be noise.
+    overrides = ["--parallel.dp=4", "--parallel.ep=2", "--model.num_experts=8",
+                 "--train.global_batch_size=8"]
+    results = worlds(4).run(case_memory, str(tmp_path), zero, overrides, timeout=120)
+    for measured, want in results:
+        for part in ("params", "grads", "optimizer"):
+            assert math.isclose(measured[part], want[part], rel_tol=0.05), (zero, part, measured, want)
+    # Independently of the formula: what is sharded is under half its replicated size (N >= 2).
+    measured, want = results[0]
+    replicated = 4 * (want["dense_params"] + want["expert_params_per_rank"])   # float32
+    sharded = {0: [], 1: ["optimizer"], 2: ["optimizer", "grads"],
+               3: ["optimizer", "grads", "params"]}[zero]
+    for part, per_element in (("params", 1), ("grads", 1), ("optimizer", 2)):
+        full = per_element * replicated
+        assert (measured[part] < 0.5 * full) if part in sharded else measured[part] == full, part
+
+
+def case_steps(run_dir: str, overrides: list[str]):
+    records = Trainer(tiny_config(run_dir, *overrides), log=quiet).run()
+    dist.barrier()
+    return [(r["loss"], r["grad_norm"]) for r in records]
+
+
+# Dropless and no batch-level balance loss: then 4 micro-batches of 2 are one batch of 8.
+LINEAR = ["--train.dtype=float64", "--train.steps=2", "--router.balance_coeff=0",
+          "--router.z_coeff=0.001", "--model.num_experts=8", "--train.global_batch_size=16"]
+
+
+@pytest.mark.parametrize("zero", [0, 1, 2, 3])
+def test_accumulating_four_micro_batches_equals_one_big_batch(worlds, tmp_path, zero):
+    big = Trainer(tiny_config(tmp_path / "big", *LINEAR, "--train.micro_batch_size=16"), log=quiet)
+    # The big batch of step i holds exactly the 8 micro-batches of 2 that step i accumulates.
+    small = WindowSampler(big.sampler.tokens, big.sampler.seq_len, 2, big.sampler.seed,
+                          big.sampler.vocab_size)
+    big.sampler.batch = lambda i: tuple(torch.cat(parts) for parts in zip(
+        *(small.batch(8 * i + j) for j in range(8))))
+    want = [(r["loss"], r["grad_norm"]) for r in big.run()]
+    # dp=2, ep=2: each rank runs 4 micro-batches of 2 sequences per step.
+    overrides = [*LINEAR, "--train.micro_batch_size=2", "--parallel.ep=2",
+                 f"--parallel.zero={zero}", "--parallel.bucket_mb=0.002"]
+    results = worlds(2).run(case_steps, str(tmp_path / "acc"), overrides, timeout=120)
+    for rank_records in results:
+        for got, ref in zip(rank_records, want):
+            for g, w in zip(got, ref):
+                assert math.isclose(g, w, rel_tol=1e-9), (zero, got, ref)
+
+
+def case_reduce_schedule(run_dir: str, zero: int, wire: str):
+    cfg = tiny_config(run_dir, "--parallel.ep=2", f"--parallel.zero={zero}",
+                      "--parallel.bucket_mb=0.002", "--train.global_batch_size=8",
+                      f"--parallel.grad_reduce_dtype={wire}")
+    trainer = Trainer(cfg, log=quiet)
+    per_micro, real = [], comm.reduce_scatter_single
+
+    def spy(output, input, *args, **kwargs):
+        per_micro[-1].append(str(input.dtype))
+        return real(output, input, *args, **kwargs)
+
+    stats = StepStats(len(trainer.model.moe_layers()), 4)
+    comm.reduce_scatter_single = spy
+    try:
+        for i in range(trainer.num_local_micro):
+            per_micro.append([])
+            trainer._micro_batch(*trainer.sampler.batch(trainer.first_micro + i), stats,
+                                 last=i == trainer.num_local_micro - 1)
+    finally:
+        comm.reduce_scatter_single = real
+    return per_micro, len(trainer.sync.buckets)
+
+
+@pytest.mark.parametrize("zero", [1, 2])
+def test_stage_1_reduces_on_the_last_micro_batch_stage_2_on_every_one(worlds, tmp_path, zero):
+    results = worlds(2).run(case_reduce_schedule, str(tmp_path), zero, "", timeout=120)
+    per_micro, buckets = results[0]
+    assert len(per_micro) == 2 and buckets > 4
+    if zero == 1:
+        assert [len(m) for m in per_micro] == [0, buckets]
+    else:
+        assert [len(m) for m in per_micro] == [buckets, buckets]
+    assert results[0] == results[1]
+
+
+def test_bfloat16_wire_dtype(worlds, tmp_path):
+    (per_micro, _), _ = worlds(2).run(case_reduce_schedule, str(tmp_path), 2, "bfloat16",
+                                      timeout=120)
+    assert {d for m in per_micro for d in m} == {"torch.bfloat16"}
+
+
+@pytest.mark.parametrize("zero", [0, 2, 3])
+def test_bfloat16_gradient_reduction_stays_close_to_float32(worlds, tmp_path, zero):
+    base = ["--parallel.ep=2", f"--parallel.zero={zero}", "--train.steps=3",
+            "--train.global_batch_size=8"]
+    exact = worlds(2).run(case_steps, str(tmp_path / "f32"), base, timeout=120)[0]
+    wire = worlds(2).run(case_steps, str(tmp_path / "bf16"),
+                         [*base, "--parallel.grad_reduce_dtype=bfloat16"], timeout=120)[0]
+    for (loss, gnorm), (w_loss, w_gnorm) in zip(wire, exact):
+        assert math.isclose(loss, w_loss, rel_tol=1e-3), (wire, exact)
+        assert math.isclose(gnorm, w_gnorm, rel_tol=2e-2), (wire, exact)
+    assert wire != exact, "bfloat16 on the wire should round something"
