@@ -95,7 +95,7 @@ def _print_dispatch(result: dict):
 
 def main(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(prog="moepar bench")
-    parser.add_argument("what", choices=["moe-layer", "dispatch", "memory"])
+    parser.add_argument("what", choices=["moe-layer", "dispatch", "memory", "pipeline"])
     parser.add_argument("--tokens", type=int, default=4096, help="tokens (per rank under --ep)")
     parser.add_argument("--dim", type=int, default=512)
     parser.add_argument("--ffn-dim", type=int, default=1024)
@@ -112,7 +112,15 @@ def main(argv: list[str]) -> int:
     memory.add_argument("--layers", type=int, default=4)
     memory.add_argument("--heads", type=int, default=8)
     memory.add_argument("--micro-batch", type=int, default=1)
+    pipe = parser.add_argument_group("pipeline")
+    pipe.add_argument("--pp", type=int, default=2, help="pipeline processes (local, gloo)")
+    pipe.add_argument("--microbatches", type=int, default=8, help="micro-batches per step")
+    pipe.add_argument("--schedule", choices=["1f1b", "gpipe", "interleaved_1f1b"], default="1f1b")
+    pipe.add_argument("--virtual", type=int, default=2, help="chunks per rank (interleaved)")
+    pipe.add_argument("--seq", type=int, default=128, help="sequence length")
     args = parser.parse_args(argv)
+    if args.what == "pipeline":
+        return _main_pipeline(args, argv)
     if args.what == "memory":
         return _main_memory(args, argv)
     if args.what == "dispatch" and args.ep < 2:
@@ -138,6 +146,17 @@ def _print_layer(result: dict, args):
     print(f"  ideal {result['ideal_ms']:9.1f} ms")
     if "naive_ms" in result:
         print(f"  naive {result['naive_ms']:9.1f} ms   ratio vs ideal {result['naive_ratio_vs_ideal']:.3f}")
+
+
+def _main_pipeline(args, argv: list[str]) -> int:
+    from moepar import bench_pipeline
+    if "WORLD_SIZE" not in os.environ:
+        from moepar.cli import launch
+        return launch(args.pp, ["bench", *argv])
+    result = bench_pipeline.worker_main(args)
+    if int(os.environ.get("RANK", 0)) == 0:
+        print(json.dumps(result), flush=True) if args.json else bench_pipeline.print_result(result)
+    return 0
 
 
 def _main_memory(args, argv: list[str]) -> int:

@@ -47,14 +47,13 @@ class CheckpointError(ValueError):
 
 
 class Owner:
-    """Which canonical tensors this rank writes: dense ones on rank 0, experts where edp == 0."""
+    """Which canonical tensors this rank writes: dense ones on rank 0 (one rank per pipeline
+    stage), experts where edp == 0. Every canonical tensor has exactly one writer."""
 
-    def __init__(self, rank: int = 0, world_size: int = 1, writes_experts: bool = True):
+    def __init__(self, rank: int = 0, world_size: int = 1, writes_experts: bool = True,
+                 writes_dense: bool | None = None):
         self.rank, self.world_size, self.writes_experts = rank, world_size, writes_experts
-
-    @property
-    def writes_dense(self) -> bool:
-        return self.rank == 0
+        self.writes_dense = rank == 0 if writes_dense is None else writes_dense
 
     def barrier(self):
         if self.world_size > 1:
@@ -202,6 +201,7 @@ def save_checkpoint(ckpt_root: str, step: int, model, optimizer, state: dict, ke
     mine = [f for f in (model_file, optim_file, f"rng-{tag}.safetensors")
             if os.path.isfile(os.path.join(tmp, f))]
     written["hashes"] = {f: _sha256(os.path.join(tmp, f)) for f in mine}
+    written["expected"] = sorted(_canonical_names(model))   # a pipeline stage knows its own
     everyone = owner.gather(written)
     error = None
     if owner.rank == 0:
@@ -210,7 +210,8 @@ def save_checkpoint(ckpt_root: str, step: int, model, optimizer, state: dict, ke
             hashes.update(part["hashes"])
             for kind in index:
                 index[kind].update(part[kind])
-        missing = sorted(_canonical_names(model) - set(index["model"]))
+        expected = set().union(*(part["expected"] for part in everyone))
+        missing = sorted(expected - set(index["model"]))
         if missing:   # a rank wrote less than its share: never commit an incomplete checkpoint
             error = f"checkpoint step {step} would lack {len(missing)} tensor(s), e.g. {missing[:4]}"
         else:
@@ -377,6 +378,8 @@ def load_checkpoint(path: str, model, optimizer=None, owner: Owner | None = None
     """
     owner = owner or Owner()
     error, loaded, optim, state = None, {}, {}, None
+    # Under pipelining each rank's model is one stage: the whole model is the union.
+    expected = set().union(*owner.gather(sorted(_canonical_names(model))))
     try:
         files = _read_manifest(path)
         with open(os.path.join(path, INDEX)) as f:
@@ -390,7 +393,7 @@ def load_checkpoint(path: str, model, optimizer=None, owner: Owner | None = None
                 raise CheckpointError(f"checkpoint {path!r}: {name} has shape "
                                       f"{tuple(value.shape)}, the model expects {tuple(target.shape)}")
             loaded[name] = value
-        extra = set(index["model"]) - _canonical_names(model)
+        extra = set(index["model"]) - expected
         if extra:
             raise CheckpointError(f"checkpoint {path!r} has tensors the model lacks: {sorted(extra)[:5]}")
         if optimizer is not None:

@@ -17,6 +17,8 @@ from moepar.layers.model import ModelConfig
 from moepar.layers.router import RouterConfig, check_number
 from moepar.parallel import check_layout
 from moepar.parallel.expert import DISPATCHERS
+from moepar.parallel.pipeline import split_layers
+from moepar.parallel.schedules import SCHEDULES
 
 __all__ = ["RunConfig", "ParallelConfig", "TrainConfig", "DataConfig", "OutputConfig",
            "load_config", "parse_overrides", "to_toml", "to_dict", "sections_toml"]
@@ -40,6 +42,9 @@ class ParallelConfig:
     backend: str = "auto"        # process group backend: auto (nccl on CUDA, else gloo), gloo, nccl
     bucket_mb: float = 25.0      # gradient buckets reduced while backward runs
     grad_reduce_dtype: str = ""  # "" (the parameters' dtype), "bfloat16" or "float16" on the wire
+    pp_schedule: str = "1f1b"    # pipeline schedule: "1f1b", "interleaved_1f1b" or "gpipe"
+    pp_virtual: int = 1          # model chunks per pipeline rank (> 1: interleaved_1f1b)
+    pp_layers: list[int] = field(default_factory=list)   # layers per chunk; empty: balanced
 
     def __post_init__(self):
         if self.dp < 0:
@@ -55,6 +60,14 @@ class ParallelConfig:
         if self.dedup and self.dispatcher != "alltoall":
             raise ValueError("parallel.dedup=true needs parallel.dispatcher='alltoall'")
         check_number("parallel.bucket_mb", self.bucket_mb, strict=True)
+        if self.pp_schedule not in SCHEDULES:
+            raise ValueError(f"parallel.pp_schedule={self.pp_schedule!r} is not one of "
+                             f"{', '.join(map(repr, SCHEDULES))}")
+        if self.pp_virtual < 1:
+            raise ValueError(f"parallel.pp_virtual={self.pp_virtual} must be >= 1")
+        if self.pp_virtual > 1 and self.pp_schedule != "interleaved_1f1b":
+            raise ValueError(f"parallel.pp_virtual={self.pp_virtual} needs "
+                             f"parallel.pp_schedule='interleaved_1f1b', not {self.pp_schedule!r}")
         if self.grad_reduce_dtype not in ("", "float32", "bfloat16", "float16"):
             raise ValueError(f"parallel.grad_reduce_dtype={self.grad_reduce_dtype!r} is not one of "
                              "'' (the parameters' dtype), 'float32', 'bfloat16', 'float16'")
@@ -167,6 +180,15 @@ class RunConfig:
             raise ValueError(f"model.num_experts={self.model.num_experts} must be divisible by "
                              f"parallel.ep={self.parallel.ep}")
         self.router.check_experts(self.model.num_experts, self.model.top_k)
+        p = self.parallel
+        if p.pp > 1 or p.pp_layers:
+            split_layers(self.model.num_layers, p.pp, p.pp_virtual, p.pp_layers or None)
+        if p.pp > 1 and self.model.tie_embeddings:
+            raise ValueError(f"model.tie_embeddings=true with parallel.pp={p.pp}: the embedding "
+                             "(first stage) and the head (last stage) would share a weight across "
+                             "ranks; set model.tie_embeddings=false or parallel.pp=1")
+        if p.pp == 1 and p.pp_virtual > 1:
+            raise ValueError(f"parallel.pp_virtual={p.pp_virtual} needs parallel.pp > 1")
         if self.train.seq_len > self.model.max_seq_len:
             raise ValueError(f"train.seq_len={self.train.seq_len} exceeds model.max_seq_len="
                              f"{self.model.max_seq_len}")
@@ -197,8 +219,11 @@ def _convert(key: str, value, hint):
         return None
     if typing.get_origin(hint) is list:
         (item,) = typing.get_args(hint)
-        if isinstance(value, str):   # from the command line: "1,3,5" (or "" for none)
-            value = [v for v in value.split(",") if v.strip()]
+        if isinstance(value, str):   # from the command line: "1,3,5" or "[1,3,5]" ("" for none)
+            text = value.strip()
+            if text.startswith("[") and text.endswith("]"):
+                text = text[1:-1]
+            value = [v for v in text.split(",") if v.strip()]
         if not isinstance(value, list):
             raise ValueError(f"{key}={value!r} is not a list")
         return [_convert(f"{key}[{i}]", v, item) for i, v in enumerate(value)]

@@ -25,9 +25,12 @@ class StepStats:
         self.losses_3 = torch.zeros(3, dtype=torch.float64, device=device)
         self.num_micro_batches = 0
 
-    def add(self, moe_outputs, router_cfg):
+    def add(self, moe_outputs, router_cfg, layers: list[int] | None = None):
+        """One micro-batch's MoE outputs; `layers` are their positions among all MoE layers (a
+        pipeline stage holds only some), default 0, 1, ..."""
         self.num_micro_batches += 1
-        for layer, out in enumerate(moe_outputs):
+        layers = range(len(moe_outputs)) if layers is None else layers
+        for layer, out in zip(layers, moe_outputs, strict=True):
             self.tokens_LE[layer] += out.stats.tokens_per_expert_E.to(self.tokens_LE)
             self.dropped_L[layer] += out.stats.num_dropped.to(self.dropped_L)
             self.assignments_L[layer] += out.stats.num_assignments
@@ -36,14 +39,17 @@ class StepStats:
                 router_cfg.balance_coeff * loss.balance + router_cfg.seq_balance_coeff * loss.seq_balance,
                 router_cfg.z_coeff * loss.z, loss.balance]).to(self.losses_3)
 
-    def reduce(self, group, extra: list[torch.Tensor] = ()):
+    def reduce(self, group, extra: list[torch.Tensor] = (), stage_group=None):
         """Sums the step's statistics (and `extra` scalars, in place) over `group` (the dp ranks),
-        in one all-reduce. Every rank calls this, MoE layers or not, in the same order."""
+        in one all-reduce, then over `stage_group` (pipeline stages: each holds other layers, and
+        the loss lives on the last). Every rank calls this, MoE layers or not, in the same order."""
         from moepar.parallel.data import all_reduce_sum
         parts = [self.tokens_LE, self.dropped_L, self.assignments_L, self.losses_3]
         extra = list(extra)
         packed = [t.to(torch.float64) for t in extra]
         all_reduce_sum(parts + packed, group)
+        if stage_group is not None:
+            all_reduce_sum(parts + packed, stage_group)
         for target, value in zip(extra, packed):
             target.copy_(value)
         if group is not None:

@@ -27,6 +27,7 @@ from moepar.layers import TopKRouter, Transformer
 from moepar.metrics import MetricsWriter, StepStats
 from moepar.parallel import ParallelDims, data_parallel, parallelize
 from moepar.parallel.data import clip_grad_norm
+from moepar.parallel.schedules import PipelineRunner, check_schedule
 
 __all__ = ["Trainer", "lr_at", "NonFiniteError", "build_dims"]
 
@@ -68,6 +69,14 @@ def build_dims(cfg: RunConfig, world_size: int) -> ParallelDims:
         raise ValueError(f"train.global_batch_size={t.global_batch_size} must be a multiple of "
                          f"train.micro_batch_size={t.micro_batch_size} * dp={dims.dp} (every dp "
                          "rank runs whole micro-batches)")
+    if dims.pp > 1:
+        local_micro = t.global_batch_size // (t.micro_batch_size * dims.dp)
+        try:
+            check_schedule(p.pp_schedule, dims.pp, p.pp_virtual, local_micro)
+        except ValueError as e:
+            raise ValueError(f"parallel.pp_schedule={p.pp_schedule!r}: {e} (micro-batches per "
+                             f"step per pipeline = train.global_batch_size / "
+                             f"(train.micro_batch_size * dp))") from None
     return dims
 
 
@@ -112,7 +121,10 @@ class Trainer:
                 dist.init_process_group(backend)
             self.meshes = self.dims.build_meshes(self.device.type)
         coords = self.dims.coords(self.rank)
-        self.owner = Owner(self.rank, world_size, writes_experts=coords.edp == 0)
+        # One replica per pipeline stage writes: dense tensors where dp == tp == 0, experts where
+        # edp == 0.
+        self.owner = Owner(self.rank, world_size, writes_experts=coords.edp == 0,
+                           writes_dense=coords.dp == 0 and coords.tp == 0)
         self.num_micro = tcfg.global_batch_size // tcfg.micro_batch_size
         self.num_local_micro = self.num_micro // self.dims.dp
         self.first_micro = coords.dp * self.num_local_micro
@@ -124,6 +136,14 @@ class Trainer:
         self.model = parallelize(model, cfg.parallel, self.dims, self.meshes, self.rank,
                                  tcfg.activation_checkpointing).to(self.device)
         self.model.set_aux_loss_scale(1.0 / self.num_local_micro)
+        self.num_moe_layers = sum(map(cfg.model.is_moe_layer, range(cfg.model.num_layers)))
+        # This rank's MoE layers' positions among all of the model's (all of them without pp).
+        self.moe_indices = (self.model.moe_indices() if self.dims.pp > 1
+                            else list(range(self.num_moe_layers)))
+        self.runner = None
+        if self.dims.pp > 1:
+            self.runner = PipelineRunner(self.model, self.meshes.group("pp"),
+                                         cfg.parallel.pp_schedule, self.num_local_micro)
         # Data parallelism / ZeRO wraps the parameters last; it also decides what AdamW steps.
         self.sync, self.optimizer = data_parallel(self.model, cfg.parallel, self.dims, self.meshes,
                                                   adamw_factory(tcfg))
@@ -191,9 +211,12 @@ class Trainer:
         return loss.detach()
 
     def forward_backward(self, stats: StepStats) -> torch.Tensor:
-        """This rank's micro-batches of one step, gradients reduced; returns their loss sum."""
+        """This rank's micro-batches of one step, gradients reduced; returns their loss sum
+        (under pp: zero except on the last stage; the step-end reduction sums over pp)."""
         loss_sum = torch.zeros((), dtype=torch.float64, device=self.device)
         base = self.sampler.position + self.first_micro
+        if self.runner is not None:
+            return self._pipeline_step(base, stats)
         for i in range(self.num_local_micro):
             # Gradients reduce while the last backward runs (ZeRO-2: every backward).
             last = i == self.num_local_micro - 1
@@ -201,16 +224,39 @@ class Trainer:
         self.sampler.position += self.num_micro
         return loss_sum
 
+    def _pipeline_step(self, base: int, stats: StepStats) -> torch.Tensor:
+        batches = [self.sampler.batch(base + i) for i in range(self.num_local_micro)]
+        final_backward = [a for a in self.runner.order if a.kind == "B"][-1]
+        last_micro = self.num_local_micro - 1
+
+        def around(action, after: bool):
+            if action.kind == "B":
+                hook = self.sync.after_backward if after else self.sync.before_backward
+                hook(action.micro == last_micro, action == final_backward)
+
+        with self._autocast():
+            loss_sum, moe_outputs = self.runner.run(
+                [b[0] for b in batches], [b[1] for b in batches],
+                before_action=lambda a: around(a, False), after_action=lambda a: around(a, True))
+        for outs in moe_outputs:
+            stats.add(outs, self.cfg.router, self.moe_indices)
+        self.sampler.position += self.num_micro
+        return loss_sum
+
     def train_step(self) -> dict:
         """One optimizer step over this rank's micro-batches; returns the global metrics record."""
-        tcfg, model = self.cfg.train, self.model
+        tcfg = self.cfg.train
         start = time.perf_counter()
-        stats = StepStats(len(model.moe_layers()), self.cfg.model.num_experts, self.device)
+        stats = StepStats(self.num_moe_layers, self.cfg.model.num_experts, self.device)
         loss_sum = self.forward_backward(stats)
-        # Statistics and the loss of all dp ranks, in one all-reduce every rank issues.
-        stats.reduce(self.meshes.group("dp") if self.meshes else None, extra=[loss_sum])
+        # Statistics and the loss of all dp ranks (and pipeline stages), reduced on every rank.
+        stats.reduce(self.meshes.group("dp") if self.meshes else None, extra=[loss_sum],
+                     stage_group=self.meshes.group("pp") if self.dims.pp > 1 else None)
         max_norm = tcfg.grad_clip if tcfg.grad_clip > 0 else float("inf")
-        grad_norm = float(clip_grad_norm(self.sync.grad_groups(), max_norm, self.meshes))
+        groups = self.sync.grad_groups()
+        if self.dims.pp > 1:      # stages hold disjoint parameters: their squares add up
+            groups = [(grads, (*axes, "pp")) for grads, axes in groups]
+        grad_norm = float(clip_grad_norm(groups, max_norm, self.meshes))
         loss = float(loss_sum) / self.num_micro
         self.step += 1
         lr = lr_at(self.step, tcfg)
@@ -237,16 +283,23 @@ class Trainer:
         return record
 
     def _update_expert_bias(self, stats: StepStats):
-        for layer, moe in enumerate(self.model.moe_layers()):
+        for layer, moe in zip(self.moe_indices, self.model.moe_layers()):
             router = moe.router
             if isinstance(router, TopKRouter) and router.cfg.bias_update_rate > 0:
                 router.update_bias(stats.tokens_LE[layer])
 
     def expert_bias_LE(self):
-        routers = [m.router for m in self.model.moe_layers() if isinstance(m.router, TopKRouter)]
-        if not routers or self.cfg.router.bias_update_rate == 0:
+        """Every MoE layer's selection bias [L, E], or None; a collective over pp under pp > 1."""
+        if self.cfg.router.bias_update_rate == 0 or self.cfg.router.type != "topk" \
+                or not self.num_moe_layers:
             return None
-        return torch.stack([r.expert_bias_E for r in routers])
+        bias_LE = torch.zeros(self.num_moe_layers, self.cfg.model.num_experts,
+                              dtype=torch.float64, device=self.device)
+        for layer, moe in zip(self.moe_indices, self.model.moe_layers()):
+            bias_LE[layer] = moe.router.expert_bias_E.to(bias_LE)
+        if self.dims.pp > 1:
+            dist.all_reduce(bias_LE, group=self.meshes.group("pp"))
+        return bias_LE
 
     def save(self) -> str:
         state = {"step": self.step, "data_position": self.sampler.position, "config": to_dict(self.cfg),
@@ -273,8 +326,9 @@ class Trainer:
             while self.step < cfg.train.steps:
                 record = self.train_step()
                 records.append(record)
+                bias_LE = self.expert_bias_LE() if cfg.run.tensorboard else None   # every rank
                 if writer is not None:
-                    writer.write(record, self.last_stats, self.expert_bias_LE())
+                    writer.write(record, self.last_stats, bias_LE)
                 if cfg.run.log_every and (self.step % cfg.run.log_every == 0 or self.step == 1
                                           or self.step == cfg.train.steps):
                     self.log(progress_line(record, cfg.train.steps))

@@ -2,8 +2,8 @@
 
 Order (see shared DESIGN.md): expert and tensor parallelism (change shapes) -> activation
 checkpointing -> compile -> pipeline split -> data parallel / ZeRO (wraps parameters last).
-This version has expert parallelism and data parallelism with ZeRO 0-3; tensor and pipeline
-parallelism are refused at config time, before anything is built.
+This version has expert, pipeline and data parallelism with ZeRO 0-3; tensor parallelism is
+refused at config time, before anything is built.
 """
 
 import torch
@@ -13,6 +13,7 @@ from .dims import ParallelDims
 from .data import local_grad_groups
 from .ddp import OverlappedReducer
 from .expert import apply_ep
+from .pipeline import build_stage
 from .zero import FullyShardedSync, ShardedAdamW, ZeroReducer
 
 __all__ = ["parallelize", "check_layout", "apply_activation_checkpointing", "apply_ep",
@@ -21,20 +22,19 @@ __all__ = ["parallelize", "check_layout", "apply_activation_checkpointing", "app
 
 def check_layout(parallel):
     """Raises ValueError naming every degree this version cannot run (config time, no processes)."""
-    unsupported = {f"parallel.{k}": getattr(parallel, k) for k in ("tp", "pp") if getattr(parallel, k) != 1}
-    if unsupported:
-        names = ", ".join(f"{k}={v}" for k, v in unsupported.items())
-        raise ValueError(f"{names}: tensor and pipeline parallelism are not in this version yet; "
-                         "set parallel.tp=1, parallel.pp=1 (parallel.ep, parallel.dp and "
+    if parallel.tp != 1:
+        raise ValueError(f"parallel.tp={parallel.tp}: tensor parallelism is not in this version "
+                         "yet; set parallel.tp=1 (parallel.ep, parallel.dp, parallel.pp and "
                          "parallel.zero are supported)")
 
 
 def parallelize(model, parallel, dims=None, meshes=None, rank: int = 0,
                 activation_checkpointing: bool = False):
-    """Applies the configured parallelisms to `model` in the fixed order; returns it.
+    """Applies the configured parallelisms to `model` in the fixed order; returns the model, or
+    under pp > 1 this rank's pipeline stage (a StageModule holding the model's own modules).
 
-    Order: expert parallelism (changes shapes) -> activation checkpointing. Data parallelism is
-    the gradient reduction in `moepar.parallel.data`, run by the training step.
+    Order: expert parallelism (changes shapes) -> activation checkpointing -> pipeline split.
+    Data parallelism / ZeRO come last, from `data_parallel`, once the model is on its device.
     """
     check_layout(parallel)
     if dims is not None and dims.ep > 1:
@@ -42,6 +42,9 @@ def parallelize(model, parallel, dims=None, meshes=None, rank: int = 0,
                  parallel.debug_splits)
     if activation_checkpointing:
         apply_activation_checkpointing(model)
+    if dims is not None and dims.pp > 1:
+        model = build_stage(model, dims.coords(rank).pp, dims.pp, parallel.pp_virtual,
+                            parallel.pp_layers or None)
     return model
 
 
@@ -53,10 +56,10 @@ class LocalSync:
     def __init__(self, model):
         self.model = model
 
-    def before_backward(self, last: bool):
+    def before_backward(self, last: bool, step_final: bool | None = None):
         pass
 
-    def after_backward(self, last: bool):
+    def after_backward(self, last: bool, step_final: bool | None = None):
         pass
 
     def grad_groups(self):
@@ -71,8 +74,10 @@ def data_parallel(model, parallel, dims, meshes, make_adamw):
 
     `make_adamw(decay_params, no_decay_params)` builds the optimizer over whatever this stage
     steps: the parameters (zero 0 and 3, DTensors under 3) or the flat shards (zero 1 and 2).
-    The sync object has before_backward(last) / after_backward(last) around each micro-batch's
-    backward and grad_groups() for the global norm (see data.clip_grad_norm).
+    The sync object has before_backward / after_backward around each backward and grad_groups()
+    for the global norm (see data.clip_grad_norm). Their arguments: `last`, the last backward of
+    the modules it runs in this step; `step_final`, the last backward of the step on this rank
+    (they differ only for interleaved pipeline chunks; default: `last`).
     """
     def split(params):
         params = list(params)

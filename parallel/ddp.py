@@ -70,12 +70,12 @@ class OverlappedReducer:
                       for b in self.buckets for p in b.params]
 
     # -- the training step's view -----------------------------------------------------------
-    def before_backward(self, last: bool):
-        if last or self.reduce_every_micro:
+    def before_backward(self, last: bool, step_final: bool | None = None):
+        if (last if step_final is None else step_final) or self.reduce_every_micro:
             self.arm()
 
-    def after_backward(self, last: bool):
-        if last or self.reduce_every_micro:
+    def after_backward(self, last: bool, step_final: bool | None = None):
+        if (last if step_final is None else step_final) or self.reduce_every_micro:
             self.finish()
 
     def grad_groups(self):

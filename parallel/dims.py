@@ -92,17 +92,30 @@ class ParallelDims:
                 if all(getattr(self.coords(r), a) == getattr(me, a) for a in keep if a != axis)]
 
     def build_meshes(self, device_type: str) -> "Meshes":
-        """Both DeviceMeshes (needs an initialised default process group)."""
+        """Both DeviceMeshes (needs an initialised default process group).
+
+        Cached per layout and default process group: every mesh axis is a process group with its
+        own communicator threads (gloo: several per group), and a process that builds several
+        trainers (tests, notebooks) would otherwise pile them up.
+        """
+        import torch.distributed as dist
         from torch.distributed.device_mesh import init_device_mesh
-        dense = init_device_mesh(device_type, (self.pp, self.dp, self.tp),
-                                 mesh_dim_names=("pp", "dp", "tp"))
-        expert = init_device_mesh(device_type, (self.pp, self.edp, self.ep),
-                                  mesh_dim_names=("pp", "edp", "ep"))
-        return Meshes(dense, expert)
+        key = (id(dist.distributed_c10d._get_default_group()), device_type, self.pp, self.dp,
+               self.tp, self.ep)
+        if key not in _MESHES:
+            dense = init_device_mesh(device_type, (self.pp, self.dp, self.tp),
+                                     mesh_dim_names=("pp", "dp", "tp"))
+            expert = init_device_mesh(device_type, (self.pp, self.edp, self.ep),
+                                      mesh_dim_names=("pp", "edp", "ep"))
+            _MESHES[key] = Meshes(dense, expert)
+        return _MESHES[key]
 
     def describe(self) -> str:
         return (f"world {self.world_size} = pp {self.pp} x dp {self.dp} x tp {self.tp}; "
                 f"experts: pp {self.pp} x edp {self.edp} x ep {self.ep}")
+
+
+_MESHES: dict[tuple, "Meshes"] = {}
 
 
 @dataclass(frozen=True)

@@ -219,10 +219,12 @@ class FullyShardedSync:
         warnings.filterwarnings("ignore", message=r"FSDP2-wrapped module \(FSDP(Block|Transformer)\) "
                                 r"returned a view tensor")
 
-    def before_backward(self, last: bool):
+    def before_backward(self, last: bool, step_final: bool | None = None):
+        # Per module: under interleaved pipelining each chunk's blocks sync on their own last
+        # backward (a chunk's backward only runs its own blocks).
         self.model.set_requires_gradient_sync(last)
 
-    def after_backward(self, last: bool):
+    def after_backward(self, last: bool, step_final: bool | None = None):
         pass
 
     def grad_groups(self):

@@ -26,8 +26,8 @@ def case_train(run_dir: str, overrides: list[str]):
     return [(r["loss"], r["grad_norm"], r["aux_loss"], r["drop_fraction"]) for r in records]
 
 
-def reference(tmp_path):
-    trainer = Trainer(tiny_config(tmp_path / "ref", *COMMON), log=lambda _m: None)
+def reference(tmp_path, *overrides):
+    trainer = Trainer(tiny_config(tmp_path / "ref", *COMMON, *overrides), log=lambda _m: None)
     records = trainer.run()
     return trainer, [(r["loss"], r["grad_norm"], r["aux_loss"], r["drop_fraction"]) for r in records]
 
@@ -47,6 +47,13 @@ LAYOUTS = [
     (2, ["--parallel.ep=2", "--parallel.zero=3"]),
     (4, ["--parallel.dp=4", "--parallel.ep=2", "--parallel.zero=3"]),
     (4, ["--parallel.ep=4", "--parallel.zero=3", "--train.activation_checkpointing=true"]),
+    # Pipeline: one layer per stage, alone and with dp, ep and ZeRO inside the stages.
+    (2, ["--parallel.pp=2"]),
+    (2, ["--parallel.pp=2", "--parallel.pp_schedule=gpipe"]),
+    (4, ["--parallel.pp=2", "--parallel.ep=2"]),
+    (4, ["--parallel.pp=2", "--parallel.dp=2", "--parallel.zero=1"]),
+    (4, ["--parallel.pp=2", "--parallel.ep=2", "--parallel.zero=2", "--parallel.bucket_mb=0.002"]),
+    (4, ["--parallel.pp=2", "--parallel.ep=2", "--parallel.zero=3"]),
 ]
 
 
@@ -55,8 +62,35 @@ def single(tmp_path_factory):
     return reference(tmp_path_factory.mktemp("single"))
 
 
+# Four layers, MoE on layers 1 and 3 only: stages without MoE layers, uneven splits, interleaving.
+DEEP = ["--model.num_layers=4", "--model.moe_every=2", "--model.moe_offset=1"]
+DEEP_LAYOUTS = [
+    (2, ["--parallel.pp=2", "--parallel.pp_virtual=2", "--parallel.pp_schedule=interleaved_1f1b"]),
+    (2, ["--parallel.pp=2", "--parallel.pp_layers=[3,1]", "--parallel.ep=1"]),
+    (4, ["--parallel.pp=4"]),
+    (4, ["--parallel.pp=2", "--parallel.pp_virtual=2", "--parallel.pp_schedule=interleaved_1f1b",
+         "--parallel.ep=2", "--parallel.zero=1"]),
+    (4, ["--parallel.pp=2", "--parallel.pp_virtual=2", "--parallel.pp_schedule=interleaved_1f1b",
+         "--parallel.dp=2", "--parallel.zero=3"]),
+]
+
+
+@pytest.fixture(scope="module")
+def single_deep(tmp_path_factory):
+    return reference(tmp_path_factory.mktemp("single_deep"), *DEEP)
+
+
 @pytest.mark.parametrize("size, overrides", LAYOUTS, ids=lambda v: str(v))
 def test_layout_parity(worlds, tmp_path, single, size, overrides):
+    check_parity(worlds, tmp_path, single, size, overrides)
+
+
+@pytest.mark.parametrize("size, overrides", DEEP_LAYOUTS, ids=lambda v: str(v))
+def test_pipeline_layout_parity(worlds, tmp_path, single_deep, size, overrides):
+    check_parity(worlds, tmp_path, single_deep, size, [*DEEP, *overrides])
+
+
+def check_parity(worlds, tmp_path, single, size, overrides):
     ref_trainer, ref_records = single
     run_dir = str(tmp_path / "run")
     results = worlds(size).run(case_train, run_dir, overrides, timeout=240)

@@ -108,7 +108,10 @@ def assert_continues(got, ep2_records):
     ["--parallel.dp=4", "--parallel.ep=2", "--parallel.zero=1"],
     ["--parallel.ep=4", "--parallel.zero=2", "--parallel.bucket_mb=0.002"],
     ["--parallel.dp=4", "--parallel.ep=2", "--parallel.zero=3"],
-], ids=["ep4", "dp4_ep2", "dp4_ep2_zero1", "ep4_zero2", "dp4_ep2_zero3"])
+    ["--parallel.pp=2", "--parallel.ep=2", "--parallel.zero=2"],
+    ["--parallel.pp=2", "--parallel.ep=2", "--parallel.pp_schedule=gpipe"],
+], ids=["ep4", "dp4_ep2", "dp4_ep2_zero1", "ep4_zero2", "dp4_ep2_zero3", "pp2_ep2_zero2",
+        "pp2_ep2_gpipe"])
 def test_ep2_checkpoint_resumes_in_world_of_4(worlds, tmp_path, ep2_run, overrides):
     path, ep2_records = ep2_run
     results = worlds(4).run(case_resume_from, str(tmp_path / "run"), [*F64, *overrides], path,
@@ -126,13 +129,16 @@ def test_ep2_checkpoint_resumes_in_one_process(tmp_path, ep2_run):
     assert_continues(got, ep2_records)
 
 
-@pytest.mark.parametrize("zero", [1, 2, 3])
-def test_zero_checkpoint_resumes_in_one_process(worlds, tmp_path, ep2_run, zero):
-    """A ZeRO run saves whole tensors (sharded optimizer state gathered); one process resumes it."""
+@pytest.mark.parametrize("layout", [
+    ["--parallel.ep=2", "--parallel.zero=1"], ["--parallel.ep=2", "--parallel.zero=2"],
+    ["--parallel.ep=2", "--parallel.zero=3"], ["--parallel.pp=2", "--parallel.ep=1"]],
+    ids=["zero1", "zero2", "zero3", "pp2"])
+def test_sharded_checkpoint_resumes_in_one_process(worlds, tmp_path, ep2_run, layout):
+    """ZeRO runs save whole tensors (sharded state gathered), pipeline stages each their layers;
+    one process resumes either."""
     _, ep2_records = ep2_run
-    run_dir = tmp_path / "zero"
-    overrides = [*F64, "--parallel.ep=2", f"--parallel.zero={zero}", "--parallel.bucket_mb=0.002",
-                 f"--run.checkpoint_every={SAVED_STEP}"]
+    run_dir = tmp_path / "sharded"
+    overrides = [*F64, *layout, "--parallel.bucket_mb=0.002", f"--run.checkpoint_every={SAVED_STEP}"]
     results = worlds(2).run(case_run, str(run_dir), overrides, timeout=120)
     assert_continues(results[0][SAVED_STEP:], ep2_records)    # the ZeRO run is the ep=2 run
     path = run_dir / "checkpoints" / f"step_{SAVED_STEP}"

@@ -97,6 +97,26 @@ def test_bench_memory_json():
             assert abs(rank["measured"][part] / rank["formula"][part] - 1) < 0.05, rank
 
 
+def test_bench_pipeline_json_activation_memory_follows_the_schedule():
+    """GPipe keeps all 8 micro-batches' activations; 1F1B at most pp (stage 0: 2, stage 1: 1)."""
+    peaks = {}
+    for schedule in ("gpipe", "1f1b"):
+        result = moepar("bench", "pipeline", "--pp=2", f"--schedule={schedule}", "--dim=32",
+                        "--layers=2", "--heads=4", "--experts=4", "--seq=32", "--repeats=1",
+                        "--warmup=0", "--microbatches=8", "--json")
+        assert result.returncode == 0, result.stderr[-3000:]
+        record = json.loads(result.stdout.strip().splitlines()[-1])
+        assert record["ideal_bubble"] == 1 / 9
+        ranks = sorted(record["ranks"], key=lambda r: r["pp_rank"])
+        assert all(0 <= r["bubble"] < 1 for r in ranks)
+        peaks[schedule] = [(r["peak_in_flight"], r["peak_activation_bytes"]) for r in ranks]
+    assert [n for n, _ in peaks["gpipe"]] == [8, 8] and [n for n, _ in peaks["1f1b"]] == [2, 1]
+    for stage, (gpipe, one_f_one_b) in enumerate(zip(peaks["gpipe"], peaks["1f1b"])):
+        # measured bytes scale with the micro-batches in flight (8/2 and 8/1), within 15%
+        ratio = gpipe[1] / one_f_one_b[1]
+        assert abs(ratio / (gpipe[0] / one_f_one_b[0]) - 1) < 0.15, (stage, ratio)
+
+
 def test_under_torchrun(tmp_path):
     """`torchrun --nproc_per_node 2 -m moepar train ...`: moepar joins the launcher's world."""
     result = subprocess.run(

@@ -222,3 +222,13 @@ def test_build_dims_resolves_layout(tmp_path):
     cfg = tiny_config(tmp_path, "--train.global_batch_size=8", "--parallel.ep=2")
     assert build_dims(cfg, 4) == ParallelDims(4, 1, 4, 1, 2, 4)
     assert build_dims(cfg, 2) == ParallelDims(2, 1, 2, 1, 2, 4)
+
+
+def test_build_dims_interleaved_needs_micro_batches_in_multiples_of_pp(tmp_path):
+    cfg = tiny_config(tmp_path, "--parallel.pp=2", "--parallel.pp_virtual=2", "--model.num_layers=4",
+                      "--parallel.pp_schedule=interleaved_1f1b", "--train.global_batch_size=6")
+    with pytest.raises(ValueError, match=r"micro-batches per step \(3\) to be a multiple of pp=2"):
+        build_dims(cfg, 2)           # 6 / 2 = 3 micro-batches on one pipeline
+    cfg = tiny_config(tmp_path, "--parallel.pp=2", "--parallel.pp_virtual=2", "--model.num_layers=4",
+                      "--parallel.pp_schedule=interleaved_1f1b", "--train.global_batch_size=8")
+    assert build_dims(cfg, 4) == ParallelDims(4, 2, 2, 1, 1, 4)   # dp 2: 2 micro-batches each
