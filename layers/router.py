@@ -174,6 +174,11 @@ class TopKRouter(_RouterBase):
     weights; `update_bias` moves it by the sign rule from one step's load.
     """
 
+    # The seam sequence (tensor) parallelism sets: this router then sees only a slice of every
+    # sequence, and the group object (gather / local / total, see _group_losses) makes capacity
+    # and the balance and z losses cover the whole micro-batch, as without the split.
+    token_group = None
+
     def __init__(self, dim: int, num_experts: int, top_k: int, cfg: RouterConfig):
         super().__init__(dim, num_experts, top_k, cfg)
         self.register_buffer("expert_bias_E", torch.zeros(num_experts, dtype=torch.float32))
@@ -208,18 +213,27 @@ class TopKRouter(_RouterBase):
         probs_TE = scores_TE if cfg.score_func == "softmax" else scores_TE / (
             scores_TE.sum(-1, keepdim=True) + 1e-20)
         seq_len = seq_len or num_tokens
-        balance = switch_balance_loss(probs_TE, experts_TK)
-        seq_balance = sequence_balance_loss(probs_TE.view(-1, seq_len, self.num_experts),
-                                            experts_TK.view(-1, seq_len, self.top_k))
-        z = z_loss(logits_TE)
+        group = self.token_group
+        if group is None:
+            balance = switch_balance_loss(probs_TE, experts_TK)
+            seq_balance = sequence_balance_loss(probs_TE.view(-1, seq_len, self.num_experts),
+                                                experts_TK.view(-1, seq_len, self.top_k))
+            z = z_loss(logits_TE)
+        else:
+            balance, seq_balance, z = self._group_losses(probs_TE, experts_TK, logits_TE,
+                                                         seq_len, group)
         total = cfg.balance_coeff * balance + cfg.seq_balance_coeff * seq_balance + cfg.z_coeff * z
         losses = RouterLosses(total, balance.detach(), seq_balance.detach(), z.detach())
 
         expert_N = experts_TK.flatten()
         weight_N = weights_TK.flatten()
         if cfg.capacity_factor is not None:
-            cap = capacity(num_tokens, self.top_k, cfg.capacity_factor, self.num_experts)
-            keep_N = self._within_capacity(expert_N, weight_N.detach(), cap)
+            group_tokens = num_tokens * (group.size if group is not None else 1)
+            cap = capacity(group_tokens, self.top_k, cfg.capacity_factor, self.num_experts)
+            if group is None:
+                keep_N = self._within_capacity(expert_N, weight_N.detach(), cap)
+            else:
+                keep_N = self._group_within_capacity(expert_N, weight_N.detach(), cap, seq_len, group)
             expert_N = torch.where(keep_N, expert_N, self.num_experts)
         token_N = torch.arange(num_tokens, device=x_TD.device).repeat_interleave(self.top_k)
         counts_E = torch.bincount(experts_TK.flatten(), minlength=self.num_experts)
@@ -246,6 +260,36 @@ class TopKRouter(_RouterBase):
         rank_N = torch.empty_like(expert_N)
         rank_N[order_N] = torch.arange(num_assign, device=expert_N.device) - starts_E[expert_sorted]
         return rank_N < cap
+
+    def _group_within_capacity(self, expert_N, weight_N, cap: int, seq_len: int, group):
+        """Drops decided on the whole micro-batch: every slice's (expert, weight) pairs are gathered
+        into the canonical [B, S, K] order, ranked as one group, and this slice's verdicts kept."""
+        batch = expert_N.numel() // (seq_len * self.top_k)
+        pairs = torch.stack([expert_N.to(torch.float64), weight_N.to(torch.float64)], -1)
+        full = group.gather(pairs.view(batch, seq_len, -1)).reshape(-1, 2)
+        keep = self._within_capacity(full[:, 0].long(), full[:, 1].to(weight_N.dtype), cap)
+        return group.local(keep.view(batch, -1, self.top_k)).reshape(-1)
+
+    def _group_losses(self, probs_TE, experts_TK, logits_TE, seq_len: int, group):
+        """The three losses of the whole micro-batch from this slice: the sums they are built from
+        (expert counts, probability sums, per sequence too, and the z-loss sum) are totalled over
+        the group in one call; `group.total` sums forward and passes gradients straight back, so
+        each slice's tokens get exactly their share of the whole loss's gradient."""
+        num_tokens, num_experts = probs_TE.shape
+        batch, k = num_tokens // seq_len, self.top_k
+        counts_BE = torch.zeros(batch, num_experts, dtype=probs_TE.dtype, device=probs_TE.device)
+        counts_BE.scatter_add_(1, experts_TK.reshape(batch, -1),
+                               torch.ones_like(experts_TK.reshape(batch, -1), dtype=probs_TE.dtype))
+        parts = [counts_BE.sum(0), probs_TE.sum(0), counts_BE.flatten(),
+                 probs_TE.view(batch, seq_len, num_experts).sum(1).flatten(),
+                 torch.logsumexp(logits_TE, dim=-1).square().sum().reshape(1).to(probs_TE.dtype)]
+        total = group.total(torch.cat(parts)).split([p.numel() for p in parts])
+        n, full_seq = num_tokens * group.size, seq_len * group.size
+        balance = num_experts * torch.sum(total[0] / (n * k) * (total[1] / n))
+        f_BE = total[2].view(batch, num_experts) / (full_seq * k)
+        p_BE = total[3].view(batch, num_experts) / full_seq
+        seq_balance = num_experts * torch.sum(f_BE * p_BE, dim=1).mean()
+        return balance, seq_balance, total[4][0] / n
 
     @torch.no_grad()
     def update_bias(self, tokens_per_expert_E: torch.Tensor):

@@ -109,8 +109,10 @@ def main(argv: list[str]) -> int:
     memory = parser.add_argument_group("memory")
     memory.add_argument("--zero", type=int, choices=[0, 1, 2, 3], default=0)
     memory.add_argument("--dp", type=int, default=1, help="data-parallel processes (local, gloo)")
+    memory.add_argument("--tp", type=int, default=1, help="tensor-parallel processes per dp rank")
     memory.add_argument("--layers", type=int, default=4)
     memory.add_argument("--heads", type=int, default=8)
+    memory.add_argument("--kv-heads", type=int, default=0, help="key/value heads (0: --heads)")
     memory.add_argument("--micro-batch", type=int, default=1)
     pipe = parser.add_argument_group("pipeline")
     pipe.add_argument("--pp", type=int, default=2, help="pipeline processes (local, gloo)")
@@ -161,9 +163,9 @@ def _main_pipeline(args, argv: list[str]) -> int:
 
 def _main_memory(args, argv: list[str]) -> int:
     from moepar import bench_memory
-    if args.dp > 1 and not bench_memory.launched():
+    if args.dp * args.tp > 1 and not bench_memory.launched():
         from moepar.cli import launch
-        return launch(args.dp, ["bench", *argv])
+        return launch(args.dp * args.tp, ["bench", *argv])
     result = bench_memory.worker_main(args)
     if int(os.environ.get("RANK", 0)) == 0:
         if args.json:

@@ -49,6 +49,16 @@ def _storage_bytes(tensors) -> int:
     return total
 
 
+def attention_and_embedding_bytes(model) -> dict:
+    """Parameter bytes this rank holds for attention blocks and for the embedding + LM head."""
+    from moepar.layers.mla import MLA
+    from moepar.layers.model import Attention
+    attn = [p for m in model.modules() if isinstance(m, (Attention, MLA)) for p in m.parameters()]
+    embed = [p for name in ("embed", "head") if getattr(model, name, None) is not None
+             for p in getattr(model, name).parameters()]
+    return {"attention": _storage_bytes(attn), "embedding_and_head": _storage_bytes(embed)}
+
+
 def measure(trainer) -> dict:
     """Bytes this rank holds, with gradients as the optimizer step sees them (after the sync)."""
     from moepar.metrics import StepStats
@@ -61,7 +71,7 @@ def measure(trainer) -> dict:
     grads += [p.grad for group in inner.param_groups for p in group["params"]]
     state = [v for s in inner.state.values() for v in s.values() if torch.is_tensor(v) and v.dim()]
     result = {"params": _storage_bytes(params), "grads": _storage_bytes(grads),
-              "optimizer": _storage_bytes(state)}
+              "optimizer": _storage_bytes(state), **attention_and_embedding_bytes(model)}
     optimizer.zero_grad(set_to_none=True)
     return result
 
@@ -90,31 +100,47 @@ def worker_main(args) -> dict:
     try:
         with tempfile.TemporaryDirectory() as tmp:
             overrides = [f"--model.dim={args.dim}", f"--model.num_layers={args.layers}",
-                         f"--model.num_heads={args.heads}", f"--model.num_kv_heads={args.heads}",
+                         f"--model.num_heads={args.heads}",
+                         f"--model.num_kv_heads={args.kv_heads or args.heads}",
                          f"--model.ffn_dim={2 * args.dim}", f"--model.moe_ffn_dim={args.dim}",
                          f"--model.num_experts={args.experts}", "--model.max_seq_len=64",
                          "--train.seq_len=64", f"--train.micro_batch_size={args.micro_batch}",
                          f"--train.global_batch_size={args.micro_batch * args.dp}",
-                         f"--parallel.dp={args.dp}", f"--parallel.ep={args.ep}",
+                         f"--parallel.dp={args.dp}", f"--parallel.tp={args.tp}",
+                         f"--parallel.ep={args.ep}",
                          f"--parallel.zero={args.zero}", "--run.tensorboard=false",
                          "--run.log_every=0", f"--run.dir={tmp}"]
             trainer = Trainer(load_config(None, overrides), log=lambda _m: None)
             trainer.train_step()                     # creates the optimizer state
-            mine = {"measured": measure(trainer), "formula": formula(trainer)}
+            # The formula is ZeRO's (dense over dp, experts over edp); tensor parallelism shards
+            # attention and embeddings on top, reported on their own.
+            mine = {"measured": measure(trainer),
+                    "formula": formula(trainer) if args.tp == 1 else None}
             ranks = [mine] if not dist.is_initialized() else [None] * dist.get_world_size()
             if dist.is_initialized():
                 dist.all_gather_object(ranks, mine)
-        first = ranks[0]["formula"]
-        return {"zero": args.zero, "dp": args.dp, "ep": args.ep,
-                "edp": args.dp // args.ep, "total_params": first["total_params"],
-                "dense_params": first["dense_params"],
-                "expert_params_per_rank": first["expert_params_per_rank"], "ranks": ranks}
+        first = ranks[0]["formula"] or {}
+        return {"zero": args.zero, "dp": args.dp, "tp": args.tp, "ep": args.ep,
+                "edp": args.dp * args.tp // args.ep, "total_params": first.get("total_params"),
+                "dense_params": first.get("dense_params"),
+                "expert_params_per_rank": first.get("expert_params_per_rank"), "ranks": ranks}
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()
 
 
 def print_result(result: dict):
+    if result["tp"] > 1:
+        print(f"memory: tp={result['tp']} dp={result['dp']} ep={result['ep']} zero={result['zero']}"
+              "; parameter bytes per rank")
+        for rank, r in enumerate(result["ranks"]):
+            m = r["measured"]
+            print(f"  rank {rank}: attention {m['attention']:,} B, embedding + head "
+                  f"{m['embedding_and_head']:,} B, all parameters {m['params']:,} B")
+        return
+    m = result["ranks"][0]["measured"]
+    print(f"parameter bytes on rank 0: attention {m['attention']:,} B, embedding + head "
+          f"{m['embedding_and_head']:,} B")
     total = result["total_params"]
     print(f"memory: zero={result['zero']} dp={result['dp']} ep={result['ep']} "
           f"edp={result['edp']}; {total:,} parameters ({result['dense_params']:,} dense, "

@@ -32,6 +32,8 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 from moepar.layers.experts import GroupedExperts
+from moepar.parallel.tensor import full_tensor as tp_full_tensor
+from moepar.parallel.tensor import local_shard
 from moepar.parallel.zero import copy_full_into, full_tensor, shard_like
 
 __all__ = ["save_checkpoint", "load_checkpoint", "latest_checkpoint", "complete_steps",
@@ -51,9 +53,25 @@ class Owner:
     stage), experts where edp == 0. Every canonical tensor has exactly one writer."""
 
     def __init__(self, rank: int = 0, world_size: int = 1, writes_experts: bool = True,
-                 writes_dense: bool | None = None):
+                 writes_dense: bool | None = None, tp_group=None):
         self.rank, self.world_size, self.writes_experts = rank, world_size, writes_experts
         self.writes_dense = rank == 0 if writes_dense is None else writes_dense
+        # Tensor-parallel shards: parameter name -> TPShard (gathered to whole tensors on save,
+        # sliced on load; every tp rank takes part, in the same order).
+        self.tp_group, self.tp_specs = tp_group, {}
+
+    def whole(self, name: str, t: torch.Tensor) -> torch.Tensor:
+        """The layout-free tensor for parameter `name` (ZeRO-3 and tp shards gathered)."""
+        t = full_tensor(t)
+        spec = self.tp_specs.get(name)
+        return t if spec is None or t.dim() == 0 else tp_full_tensor(t, spec, self.tp_group)
+
+    def mine(self, name: str, t: torch.Tensor) -> torch.Tensor:
+        """This tp rank's slice of the whole tensor `t` for parameter `name`."""
+        spec = self.tp_specs.get(name)
+        if spec is None or t.dim() == 0:
+            return t
+        return local_shard(t, spec, dist.get_rank(self.tp_group))
 
     def barrier(self):
         if self.world_size > 1:
@@ -152,12 +170,13 @@ def _save(tensors: dict, path: str) -> list[str]:
     return list(tensors)
 
 
-def _model_state(model) -> dict[str, torch.Tensor]:
-    """Parameter/buffer name -> whole tensor (ZeRO-3 shards gathered: a collective, in order)."""
-    return {name: full_tensor(t) for name, t in model.state_dict().items()}
+def _model_state(model, owner) -> dict[str, torch.Tensor]:
+    """Parameter/buffer name -> whole tensor (ZeRO-3 and tp shards gathered: collectives, in
+    order)."""
+    return {name: owner.whole(name, t) for name, t in model.state_dict().items()}
 
 
-def _optimizer_state(model, optimizer) -> dict[str, torch.Tensor]:
+def _optimizer_state(model, optimizer, owner) -> dict[str, torch.Tensor]:
     """'<kind>/<param name>' -> whole tensor, scalars (step) as 0-d tensors.
 
     A ZeRO-1/2 optimizer gathers its shards into whole parameters (`param_state`); ZeRO-3 state
@@ -168,7 +187,7 @@ def _optimizer_state(model, optimizer) -> dict[str, torch.Tensor]:
     out = {}
     for name, p in model.named_parameters():
         for kind, value in sorted(per_param.get(p, {}).items()):
-            value = full_tensor(value) if torch.is_tensor(value) else torch.tensor(value)
+            value = owner.whole(name, value) if torch.is_tensor(value) else torch.tensor(value)
             out[f"{kind}/{name}"] = value
     return out
 
@@ -186,11 +205,11 @@ def save_checkpoint(ckpt_root: str, step: int, model, optimizer, state: dict, ke
     tag = f"r{owner.rank:05d}"
     model_file, optim_file = f"model-{tag}.safetensors", f"optimizer-{tag}.safetensors"
     written = {"model": {}, "optimizer": {}}
-    names = _save(dict(canonical_items(model, _model_state(model), owner)),
+    names = _save(dict(canonical_items(model, _model_state(model, owner), owner)),
                   os.path.join(tmp, model_file))
     written["model"].update({n: model_file for n in names})
     optim = {}
-    for key, value in _optimizer_state(model, optimizer).items():
+    for key, value in _optimizer_state(model, optimizer, owner).items():
         kind, name = key.split("/", 1)
         for canonical, tensor in canonical_items(model, {name: value}, owner, per_param_scalar=True):
             optim[f"{kind}/{canonical}"] = tensor
@@ -388,7 +407,7 @@ def load_checkpoint(path: str, model, optimizer=None, owner: Owner | None = None
             state = json.load(f)
         read = _Reader(path, index["model"], files)
         for name, target in model.state_dict().items():
-            value = _wanted(model, name, read)
+            value = owner.mine(name, _wanted(model, name, read))
             if value.shape != target.shape:
                 raise CheckpointError(f"checkpoint {path!r}: {name} has shape "
                                       f"{tuple(value.shape)}, the model expects {tuple(target.shape)}")
@@ -397,7 +416,8 @@ def load_checkpoint(path: str, model, optimizer=None, owner: Owner | None = None
         if extra:
             raise CheckpointError(f"checkpoint {path!r} has tensors the model lacks: {sorted(extra)[:5]}")
         if optimizer is not None:
-            optim = _read_optimizer(model, _Reader(path, index["optimizer"], files), index["optimizer"])
+            optim = _read_optimizer(model, _Reader(path, index["optimizer"], files),
+                                    index["optimizer"], owner)
     except CheckpointError as e:
         error = str(e)
     errors = [e for e in owner.gather(error) if e]
@@ -433,7 +453,7 @@ def _canonical_names(model) -> set[str]:
     return names
 
 
-def _read_optimizer(model, read, index) -> dict:
+def _read_optimizer(model, read, index, owner) -> dict:
     """{param: {kind: tensor}} for this rank's parameters (applied only once all ranks agree)."""
     kinds = sorted({key.split("/", 1)[0] for key in index})
     out = {}
@@ -445,6 +465,6 @@ def _read_optimizer(model, read, index) -> dict:
                 step = _wanted(model, name, lambda n: read(f"step/{n}"))
                 state["step"] = step.flatten()[0].clone() if step.dim() else step
             else:
-                state[kind] = _wanted(model, name, lambda n, k=kind: read(f"{k}/{n}")).to(
-                    dtype=param.dtype, device=param.device)
+                whole = _wanted(model, name, lambda n, k=kind: read(f"{k}/{n}"))
+                state[kind] = owner.mine(name, whole).to(dtype=param.dtype, device=param.device)
     return out

@@ -15,10 +15,10 @@ from dataclasses import dataclass, field
 
 from moepar.layers.model import ModelConfig
 from moepar.layers.router import RouterConfig, check_number
-from moepar.parallel import check_layout
 from moepar.parallel.expert import DISPATCHERS
 from moepar.parallel.pipeline import split_layers
 from moepar.parallel.schedules import SCHEDULES
+from moepar.parallel.tensor import check_tp
 
 __all__ = ["RunConfig", "ParallelConfig", "TrainConfig", "DataConfig", "OutputConfig",
            "load_config", "parse_overrides", "to_toml", "to_dict", "sections_toml"]
@@ -175,7 +175,6 @@ class RunConfig:
     run: OutputConfig = field(default_factory=OutputConfig)
 
     def __post_init__(self):
-        check_layout(self.parallel)
         if self.model.num_experts % self.parallel.ep:
             raise ValueError(f"model.num_experts={self.model.num_experts} must be divisible by "
                              f"parallel.ep={self.parallel.ep}")
@@ -187,6 +186,12 @@ class RunConfig:
             raise ValueError(f"model.tie_embeddings=true with parallel.pp={p.pp}: the embedding "
                              "(first stage) and the head (last stage) would share a weight across "
                              "ranks; set model.tie_embeddings=false or parallel.pp=1")
+        if p.tp > 1:
+            check_tp(self.model, p.tp, self.train.seq_len)
+            if self.router.type != "topk":
+                raise ValueError(f"router.type={self.router.type!r} with parallel.tp={p.tp} is not "
+                                 "supported (each expert would need every slice's scores); use "
+                                 "router.type='topk'")
         if p.pp == 1 and p.pp_virtual > 1:
             raise ValueError(f"parallel.pp_virtual={p.pp_virtual} needs parallel.pp > 1")
         if self.train.seq_len > self.model.max_seq_len:

@@ -39,14 +39,18 @@ class StepStats:
                 router_cfg.balance_coeff * loss.balance + router_cfg.seq_balance_coeff * loss.seq_balance,
                 router_cfg.z_coeff * loss.z, loss.balance]).to(self.losses_3)
 
-    def reduce(self, group, extra: list[torch.Tensor] = (), stage_group=None):
+    def reduce(self, group, extra: list[torch.Tensor] = (), stage_group=None, slice_group=None):
         """Sums the step's statistics (and `extra` scalars, in place) over `group` (the dp ranks),
         in one all-reduce, then over `stage_group` (pipeline stages: each holds other layers, and
-        the loss lives on the last). Every rank calls this, MoE layers or not, in the same order."""
+        the loss lives on the last). Loads and drops are also summed over `slice_group` (tensor
+        parallel ranks each route a slice of the sequence; their losses are already the whole
+        micro-batch's). Every rank calls this, MoE layers or not, in the same order."""
         from moepar.parallel.data import all_reduce_sum
         parts = [self.tokens_LE, self.dropped_L, self.assignments_L, self.losses_3]
         extra = list(extra)
         packed = [t.to(torch.float64) for t in extra]
+        if slice_group is not None:
+            all_reduce_sum(parts[:3], slice_group)
         all_reduce_sum(parts + packed, group)
         if stage_group is not None:
             all_reduce_sum(parts + packed, stage_group)

@@ -26,7 +26,10 @@ from moepar.data import WindowSampler, check_token_range, load_tokens
 from moepar.layers import TopKRouter, Transformer
 from moepar.metrics import MetricsWriter, StepStats
 from moepar.parallel import ParallelDims, data_parallel, parallelize
-from moepar.parallel.data import clip_grad_norm
+from moepar.parallel.data import clip_grad_norm, grad_norm_groups, split_parameters
+from moepar.parallel.tensor import (reduce_sequence_parallel_grads, tp_norm_parameters,
+                                    tp_shard_spec)
+from moepar.parallel.vocab import vocab_parallel_cross_entropy
 from moepar.parallel.schedules import PipelineRunner, check_schedule
 
 __all__ = ["Trainer", "lr_at", "NonFiniteError", "build_dims"]
@@ -123,8 +126,10 @@ class Trainer:
         coords = self.dims.coords(self.rank)
         # One replica per pipeline stage writes: dense tensors where dp == tp == 0, experts where
         # edp == 0.
+        self.tp_group = self.meshes.group("tp") if self.dims.tp > 1 else None
         self.owner = Owner(self.rank, world_size, writes_experts=coords.edp == 0,
-                           writes_dense=coords.dp == 0 and coords.tp == 0)
+                           writes_dense=coords.dp == 0 and coords.tp == 0,
+                           tp_group=self.tp_group)
         self.num_micro = tcfg.global_batch_size // tcfg.micro_batch_size
         self.num_local_micro = self.num_micro // self.dims.dp
         self.first_micro = coords.dp * self.num_local_micro
@@ -134,7 +139,9 @@ class Trainer:
         torch.manual_seed(tcfg.seed)
         model = Transformer(cfg.model, cfg.router).to(_PARAM_DTYPES[tcfg.dtype])
         self.model = parallelize(model, cfg.parallel, self.dims, self.meshes, self.rank,
-                                 tcfg.activation_checkpointing).to(self.device)
+                                 tcfg.activation_checkpointing, tcfg.seq_len).to(self.device)
+        if self.tp_group is not None:    # tensor-parallel shards gather/slice in checkpoints
+            self.owner.tp_specs = tp_shard_spec(self.model)
         self.model.set_aux_loss_scale(1.0 / self.num_local_micro)
         self.num_moe_layers = sum(map(cfg.model.is_moe_layer, range(cfg.model.num_layers)))
         # This rank's MoE layers' positions among all of the model's (all of them without pp).
@@ -143,10 +150,18 @@ class Trainer:
         self.runner = None
         if self.dims.pp > 1:
             self.runner = PipelineRunner(self.model, self.meshes.group("pp"),
-                                         cfg.parallel.pp_schedule, self.num_local_micro)
+                                         cfg.parallel.pp_schedule, self.num_local_micro,
+                                         loss_fn=self.loss_fn)
         # Data parallelism / ZeRO wraps the parameters last; it also decides what AdamW steps.
         self.sync, self.optimizer = data_parallel(self.model, cfg.parallel, self.dims, self.meshes,
                                                   adamw_factory(tcfg))
+        # The norm's tp groups, from the parameters as wrapped (FSDP swaps in new ones).
+        self._tp_split = None
+        if self.tp_group is not None:
+            sharded, replicated = tp_norm_parameters(self.model, self.tp_group)
+            counted = {id(p) for p in sharded + replicated}
+            extra = [p for p in split_parameters(self.model)[0] if id(p) not in counted]
+            self._tp_split = (sharded, replicated, extra)
         self.step = 0
         if resume_path:
             state = load_checkpoint(resume_path, self.model, self.optimizer, self.owner)
@@ -203,8 +218,7 @@ class Trainer:
         self.sync.before_backward(last)
         with self._autocast():
             logits_BSV, moe_outputs = self.model(inputs_BS)
-        logits_BSV = logits_BSV.to(torch.promote_types(logits_BSV.dtype, torch.float32))
-        loss = F.cross_entropy(logits_BSV.flatten(0, 1), targets_BS.flatten())
+        loss = self.loss_fn(logits_BSV, targets_BS)
         (loss / self.num_local_micro).backward()
         self.sync.after_backward(last)
         stats.add(moe_outputs, self.cfg.router)
@@ -223,6 +237,14 @@ class Trainer:
             loss_sum += self._micro_batch(*self.sampler.batch(base + i), stats, last)
         self.sampler.position += self.num_micro
         return loss_sum
+
+    def loss_fn(self, logits_BSV, targets_BS):
+        """Mean cross-entropy in float32 or wider; vocabulary-parallel under tp (logits stay split)."""
+        logits_BSV = logits_BSV.to(torch.promote_types(logits_BSV.dtype, torch.float32))
+        if self.tp_group is not None:
+            return vocab_parallel_cross_entropy(logits_BSV, targets_BS, self.tp_group,
+                                                self.cfg.model.vocab_size)
+        return F.cross_entropy(logits_BSV.flatten(0, 1), targets_BS.flatten())
 
     def _pipeline_step(self, base: int, stats: StepStats) -> torch.Tensor:
         batches = [self.sampler.batch(base + i) for i in range(self.num_local_micro)]
@@ -249,13 +271,14 @@ class Trainer:
         start = time.perf_counter()
         stats = StepStats(self.num_moe_layers, self.cfg.model.num_experts, self.device)
         loss_sum = self.forward_backward(stats)
+        if self.tp_group is not None:   # replicated parameters saw 1/tp of the tokens each
+            reduce_sequence_parallel_grads(self.model, self.tp_group, self.sync.grad_view)
         # Statistics and the loss of all dp ranks (and pipeline stages), reduced on every rank.
         stats.reduce(self.meshes.group("dp") if self.meshes else None, extra=[loss_sum],
-                     stage_group=self.meshes.group("pp") if self.dims.pp > 1 else None)
+                     stage_group=self.meshes.group("pp") if self.dims.pp > 1 else None,
+                     slice_group=self.tp_group)
         max_norm = tcfg.grad_clip if tcfg.grad_clip > 0 else float("inf")
-        groups = self.sync.grad_groups()
-        if self.dims.pp > 1:      # stages hold disjoint parameters: their squares add up
-            groups = [(grads, (*axes, "pp")) for grads, axes in groups]
+        groups = grad_norm_groups(self.model, self.sync, self.dims, self._tp_split)
         grad_norm = float(clip_grad_norm(groups, max_norm, self.meshes))
         loss = float(loss_sum) / self.num_micro
         self.step += 1

@@ -2,44 +2,38 @@
 
 Order (see shared DESIGN.md): expert and tensor parallelism (change shapes) -> activation
 checkpointing -> compile -> pipeline split -> data parallel / ZeRO (wraps parameters last).
-This version has expert, pipeline and data parallelism with ZeRO 0-3; tensor parallelism is
-refused at config time, before anything is built.
+This version has expert, tensor (with sequence), pipeline and data parallelism with ZeRO 0-3, in
+any combination.
 """
 
 import torch
 
 from .checkpointing import apply_activation_checkpointing
 from .dims import ParallelDims
-from .data import local_grad_groups
 from .ddp import OverlappedReducer
 from .expert import apply_ep
 from .pipeline import build_stage
+from .tensor import apply_tp
 from .zero import FullyShardedSync, ShardedAdamW, ZeroReducer
 
-__all__ = ["parallelize", "check_layout", "apply_activation_checkpointing", "apply_ep",
+__all__ = ["parallelize", "apply_activation_checkpointing", "apply_ep",
            "ParallelDims", "data_parallel", "LocalSync"]
 
 
-def check_layout(parallel):
-    """Raises ValueError naming every degree this version cannot run (config time, no processes)."""
-    if parallel.tp != 1:
-        raise ValueError(f"parallel.tp={parallel.tp}: tensor parallelism is not in this version "
-                         "yet; set parallel.tp=1 (parallel.ep, parallel.dp, parallel.pp and "
-                         "parallel.zero are supported)")
-
-
 def parallelize(model, parallel, dims=None, meshes=None, rank: int = 0,
-                activation_checkpointing: bool = False):
+                activation_checkpointing: bool = False, seq_len: int | None = None):
     """Applies the configured parallelisms to `model` in the fixed order; returns the model, or
     under pp > 1 this rank's pipeline stage (a StageModule holding the model's own modules).
 
-    Order: expert parallelism (changes shapes) -> activation checkpointing -> pipeline split.
+    Order: expert and tensor parallelism (change shapes) -> activation checkpointing ->
+    pipeline split.
     Data parallelism / ZeRO come last, from `data_parallel`, once the model is on its device.
     """
-    check_layout(parallel)
     if dims is not None and dims.ep > 1:
         apply_ep(model, dims, meshes, rank, parallel.dispatcher, parallel.dedup,
                  parallel.debug_splits)
+    if dims is not None and dims.tp > 1:
+        apply_tp(model, dims, meshes, seq_len)
     if activation_checkpointing:
         apply_activation_checkpointing(model)
     if dims is not None and dims.pp > 1:
@@ -62,8 +56,10 @@ class LocalSync:
     def after_backward(self, last: bool, step_final: bool | None = None):
         pass
 
-    def grad_groups(self):
-        return local_grad_groups(self.model)
+    dense_axes, expert_axes = (), ()
+
+    def grad_view(self, p):
+        return p.grad
 
 
 _WIRE = {"": None, "float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -74,8 +70,9 @@ def data_parallel(model, parallel, dims, meshes, make_adamw):
 
     `make_adamw(decay_params, no_decay_params)` builds the optimizer over whatever this stage
     steps: the parameters (zero 0 and 3, DTensors under 3) or the flat shards (zero 1 and 2).
-    The sync object has before_backward / after_backward around each backward and grad_groups()
-    for the global norm (see data.clip_grad_norm). Their arguments: `last`, the last backward of
+    The sync object has before_backward / after_backward around each backward, and
+    grad_view(p) / dense_axes / expert_axes: where a gradient lives after the sync and the axes
+    that storage is sharded over (see data.grad_norm_groups). Their arguments: `last`, the last backward of
     the modules it runs in this step; `step_final`, the last backward of the step on this rank
     (they differ only for interleaved pipeline chunks; default: `last`).
     """

@@ -21,7 +21,7 @@ import torch.distributed as dist
 from moepar.layers.experts import GroupedExperts
 
 __all__ = ["split_parameters", "reduce_gradients", "clip_grad_norm", "all_reduce_sum",
-           "local_grad_groups"]
+           "grad_norm_groups"]
 
 
 def split_parameters(model):
@@ -66,14 +66,28 @@ def reduce_gradients(model, meshes, dims):
         all_reduce_sum(grads, meshes.group(axis), 1.0 / dims.dp)
 
 
-def local_grad_groups(model):
-    """Without a process group: dense and expert gradients, nothing to sum over."""
+def grad_norm_groups(model, sync, dims, tp_split=None):
+    """The [(gradients, axes)] groups for `clip_grad_norm` in any layout.
+
+    `sync` tells where each gradient lives (`grad_view`) and over which axes that storage is
+    sharded (ZeRO: dense over dp, experts over edp). On top: experts differ over ep; tensor-
+    parallel shards differ over tp (`tp_split` = (sharded, replicated, scale_only) dense
+    parameters; scale_only are extra replicas of a shard, clipped but not counted); pipeline
+    stages hold disjoint parameters (pp)."""
     dense, experts = split_parameters(model)
-    return [([p.grad for p in dense if p.grad is not None], ()),
-            ([p.grad for p in experts if p.grad is not None], ())]
+    sharded, replicated, scale_only = tp_split or ([], dense, [])
+    pp = ("pp",) if dims is not None and dims.pp > 1 else ()
+
+    def views(params):
+        return [g for g in map(sync.grad_view, params) if g is not None]
+
+    return [(views(replicated), sync.dense_axes + pp),
+            (views(sharded), sync.dense_axes + ("tp",) + pp),
+            (views(experts), sync.expert_axes + ("ep",) + pp),
+            (views(scale_only), None)]
 
 
-_AXIS_ORDER = ("dp", "edp", "ep", "pp")
+_AXIS_ORDER = ("dp", "edp", "ep", "tp", "pp")
 
 
 def clip_grad_norm(groups, max_norm: float, meshes) -> torch.Tensor:
@@ -81,19 +95,19 @@ def clip_grad_norm(groups, max_norm: float, meshes) -> torch.Tensor:
 
     `groups` is [(this rank's gradient tensors, axes)]: the squares of a group are summed over
     its axes. Replicated gradients name no axis for their replicas (counted once); sharded ones
-    name the axes they are sharded over (every shard counted). Every rank passes the same group
-    structure, so the all-reduces (one per axis in use) line up.
+    name the axes they are sharded over (every shard counted); axes None: clipped, not counted.
+    Every rank passes the same group structure, so the all-reduces (one per axis) line up.
     """
     from torch.nn.utils import get_total_norm
     grads = [g for group, _ in groups for g in group]
     device = grads[0].device if grads else torch.device("cpu")
     squares = torch.zeros(len(groups), dtype=torch.float64, device=device)
-    for i, (group, _) in enumerate(groups):
-        if group:
+    for i, (group, axes) in enumerate(groups):
+        if group and axes is not None:
             squares[i] = get_total_norm(group).double().square()
     if meshes is not None:
         for axis in _AXIS_ORDER:
-            rows = [i for i, (_, axes) in enumerate(groups) if axis in axes]
+            rows = [i for i, (_, axes) in enumerate(groups) if axes and axis in axes]
             if rows:
                 part = squares[rows]
                 dist.all_reduce(part, group=meshes.group(axis))

@@ -78,13 +78,12 @@ class OverlappedReducer:
         if (last if step_final is None else step_final) or self.reduce_every_micro:
             self.finish()
 
-    def grad_groups(self):
-        """[(local gradients, axes their squares are summed over)] for the global norm."""
-        dense = [p.grad for b in self.buckets if b.axis == "dp" for p in b.params
-                 if p.grad is not None]
-        experts = [p.grad for b in self.buckets if b.axis == "edp" for p in b.params
-                   if p.grad is not None]
-        return [(dense, ()), (experts, ("ep",))]
+    # Where each gradient lives after the sync, and the axes its storage is sharded over
+    # (data.grad_norm_groups adds ep, tp and pp).
+    dense_axes, expert_axes = (), ()
+
+    def grad_view(self, p):
+        return p.grad
 
     # -- overlap machinery --------------------------------------------------------------------
     def arm(self):

@@ -27,6 +27,8 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
+from .tensor import gather_sequence
+
 __all__ = ["split_layers", "rank_chunks", "StageModule", "build_stage", "broadcast_loss"]
 
 
@@ -117,6 +119,10 @@ class StageModule(nn.Module):
         self.head = model.head if self.is_last else None
         self.register_buffer("rope_cos", model.rope_cos, persistent=False)
         self.register_buffer("rope_sin", model.rope_sin, persistent=False)
+        # Under tensor parallelism (applied before the split) hidden states between blocks, and so
+        # between stages, hold 1/tp of each sequence; the head gathers it back.
+        self.seq_split = getattr(model, "tp_size", 1)
+        self.tp_group = getattr(model, "tp_group", None)
 
     def moe_layers(self):
         """This rank's MoE layers in layer order (the order its MoE outputs come back in)."""
@@ -145,7 +151,7 @@ class StageModule(nn.Module):
                 raise ValueError(f"sequence length {seq} exceeds model.max_seq_len="
                                  f"{self.cfg.max_seq_len}")
             x = self.embed(x)
-        seq = x.shape[1]
+        seq = x.shape[1] * self.seq_split      # rotary tables cover the whole sequence
         cos, sin = self.rope_cos[:seq], self.rope_sin[:seq]
         moe_outputs = []
         for block in self.layers[self.chunk_slices[chunk]]:
@@ -154,6 +160,8 @@ class StageModule(nn.Module):
                 moe_outputs.append(moe_out)
         if global_chunk == self.num_chunks - 1:
             x = self.norm(x)
+            if self.seq_split > 1:
+                x = gather_sequence(x, self.tp_group)
             weight = self.embed.weight if self.head is None else self.head.weight
             x = F.linear(x, weight)
         return x, moe_outputs

@@ -214,7 +214,8 @@ class PipelineRunner:
         param = next(self.stage.parameters())
         # Hidden states and their gradients travel in the residual stream's dtype (the
         # parameters', also under autocast), so receivers know every buffer's shape and dtype.
-        shape_BSD = tuple(targets[0].shape) + (self.stage.cfg.dim,)
+        batch, seq = targets[0].shape
+        shape_BSD = (batch, seq // getattr(self.stage, "seq_split", 1), self.stage.cfg.dim)
         wire_dtype = self.stage.activation_dtype()
         # This step's buffers, keyed (chunk, micro): received inputs and output gradients, what
         # backward needs, MoE outputs; dropped when the step ends.

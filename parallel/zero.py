@@ -36,7 +36,6 @@ import torch.distributed as dist
 from torch import nn
 
 from . import comm
-from .data import split_parameters
 from .ddp import OverlappedReducer
 
 __all__ = ["ZeroReducer", "ShardedAdamW", "FullyShardedSync", "full_tensor", "shard_like",
@@ -61,10 +60,11 @@ class ZeroReducer(OverlappedReducer):
         b.pad = b.shard_len * n - numel
         first = b.params[0]
         b.flat = torch.zeros(b.shard_len * n, dtype=first.dtype, device=first.device)
-        offset = 0
+        offset, b.offsets = 0, {}
         for p in b.params:
             b.flat[offset:offset + p.numel()].copy_(p.reshape(-1))
             p.data = b.flat[offset:offset + p.numel()].view_as(p)
+            b.offsets[id(p)] = offset
             offset += p.numel()
         mine = slice(b.index * b.shard_len, (b.index + 1) * b.shard_len)
         b.mine = mine
@@ -90,11 +90,17 @@ class ZeroReducer(OverlappedReducer):
                 for p in b.params:
                     p.grad = None
 
-    def grad_groups(self):
-        dense = [b.shard.grad for b in self.buckets if b.axis == "dp" and b.shard.grad is not None]
-        experts = [b.shard.grad for b in self.buckets
-                   if b.axis == "edp" and b.shard.grad is not None]
-        return [(dense, ("dp",)), (experts, ("edp", "ep"))]
+    dense_axes, expert_axes = ("dp",), ("edp",)
+
+    def grad_view(self, p):
+        """The part of p's gradient in this rank's shard (possibly empty), or None."""
+        b = self.bucket_of[id(p)]
+        if b.shard.grad is None:
+            return None
+        start = b.offsets[id(p)]
+        lo, hi = b.mine.start, b.mine.stop
+        first, last = max(start, lo), min(start + p.numel(), hi)
+        return b.shard.grad[first - lo:max(first, last) - lo]
 
     def _launch(self, b):
         if b.flat_grad is not None:
@@ -216,8 +222,8 @@ class FullyShardedSync:
                 m.set_force_sum_reduction_for_comms(True)
         # A block's outputs include MoEOutput.y, a view that Block already consumed out of place
         # (h + y); FSDP's warning about in-place ops on returned views does not apply.
-        warnings.filterwarnings("ignore", message=r"FSDP2-wrapped module \(FSDP(Block|Transformer)\) "
-                                r"returned a view tensor")
+        warnings.filterwarnings("ignore", message=r"FSDP2-wrapped module \(FSDP(Block|Transformer|"
+                                r"TensorParallelTransformer|StageModule)\) returned a view tensor")
 
     def before_backward(self, last: bool, step_final: bool | None = None):
         # Per module: under interleaved pipelining each chunk's blocks sync on their own last
@@ -227,10 +233,10 @@ class FullyShardedSync:
     def after_backward(self, last: bool, step_final: bool | None = None):
         pass
 
-    def grad_groups(self):
-        dense, experts = split_parameters(self.model)
-        return [([p.grad.to_local() for p in dense if p.grad is not None], ("dp",)),
-                ([p.grad.to_local() for p in experts if p.grad is not None], ("edp", "ep"))]
+    dense_axes, expert_axes = ("dp",), ("edp",)
+
+    def grad_view(self, p):
+        return None if p.grad is None else p.grad.to_local()
 
 
 def full_tensor(t: torch.Tensor) -> torch.Tensor:

@@ -62,6 +62,22 @@ def single(tmp_path_factory):
     return reference(tmp_path_factory.mktemp("single"))
 
 
+LAYOUTS += [
+    # Tensor + sequence parallelism: attention, embeddings, head and loss split; MoE layers route
+    # sequence slices with capacity and balance losses of the whole micro-batch.
+    (2, ["--parallel.tp=2"]),
+    (4, ["--parallel.tp=4"]),                                          # kv heads 2 < tp: shared
+    (2, ["--parallel.tp=2", "--parallel.ep=2"]),                       # EP group = the tp group
+    (4, ["--parallel.dp=2", "--parallel.tp=2", "--parallel.ep=4"]),    # EP spans dp and tp
+    (4, ["--parallel.dp=2", "--parallel.tp=2", "--parallel.ep=2", "--parallel.zero=1"]),
+    (4, ["--parallel.dp=2", "--parallel.tp=2", "--parallel.ep=2", "--parallel.zero=2",
+         "--parallel.bucket_mb=0.002"]),
+    (4, ["--parallel.dp=2", "--parallel.tp=2", "--parallel.zero=3"]),
+    # All four axes: pipeline stages of tensor-parallel blocks, experts over the stage's ranks.
+    (4, ["--parallel.pp=2", "--parallel.tp=2"]),
+    (4, ["--parallel.pp=2", "--parallel.tp=2", "--parallel.ep=2", "--parallel.zero=1"]),
+]
+
 # Four layers, MoE on layers 1 and 3 only: stages without MoE layers, uneven splits, interleaving.
 DEEP = ["--model.num_layers=4", "--model.moe_every=2", "--model.moe_offset=1"]
 DEEP_LAYOUTS = [
@@ -72,6 +88,8 @@ DEEP_LAYOUTS = [
          "--parallel.ep=2", "--parallel.zero=1"]),
     (4, ["--parallel.pp=2", "--parallel.pp_virtual=2", "--parallel.pp_schedule=interleaved_1f1b",
          "--parallel.dp=2", "--parallel.zero=3"]),
+    (4, ["--parallel.pp=2", "--parallel.pp_virtual=2", "--parallel.pp_schedule=interleaved_1f1b",
+         "--parallel.tp=2", "--parallel.ep=2", "--parallel.zero=2"]),
 ]
 
 

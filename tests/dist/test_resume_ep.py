@@ -110,8 +110,10 @@ def assert_continues(got, ep2_records):
     ["--parallel.dp=4", "--parallel.ep=2", "--parallel.zero=3"],
     ["--parallel.pp=2", "--parallel.ep=2", "--parallel.zero=2"],
     ["--parallel.pp=2", "--parallel.ep=2", "--parallel.pp_schedule=gpipe"],
+    ["--parallel.tp=2", "--parallel.ep=2", "--parallel.zero=1"],
+    ["--parallel.tp=4", "--parallel.ep=2", "--parallel.zero=3"],
 ], ids=["ep4", "dp4_ep2", "dp4_ep2_zero1", "ep4_zero2", "dp4_ep2_zero3", "pp2_ep2_zero2",
-        "pp2_ep2_gpipe"])
+        "pp2_ep2_gpipe", "dp2_tp2_ep2_zero1", "tp4_ep2_zero3"])
 def test_ep2_checkpoint_resumes_in_world_of_4(worlds, tmp_path, ep2_run, overrides):
     path, ep2_records = ep2_run
     results = worlds(4).run(case_resume_from, str(tmp_path / "run"), [*F64, *overrides], path,
@@ -131,11 +133,12 @@ def test_ep2_checkpoint_resumes_in_one_process(tmp_path, ep2_run):
 
 @pytest.mark.parametrize("layout", [
     ["--parallel.ep=2", "--parallel.zero=1"], ["--parallel.ep=2", "--parallel.zero=2"],
-    ["--parallel.ep=2", "--parallel.zero=3"], ["--parallel.pp=2", "--parallel.ep=1"]],
-    ids=["zero1", "zero2", "zero3", "pp2"])
+    ["--parallel.ep=2", "--parallel.zero=3"], ["--parallel.pp=2", "--parallel.ep=1"],
+    ["--parallel.tp=2", "--parallel.ep=2", "--parallel.zero=2"]],
+    ids=["zero1", "zero2", "zero3", "pp2", "tp2_zero2"])
 def test_sharded_checkpoint_resumes_in_one_process(worlds, tmp_path, ep2_run, layout):
-    """ZeRO runs save whole tensors (sharded state gathered), pipeline stages each their layers;
-    one process resumes either."""
+    """ZeRO and tensor-parallel runs save whole tensors (sharded state gathered), pipeline stages
+    each their layers; one process resumes any of them."""
     _, ep2_records = ep2_run
     run_dir = tmp_path / "sharded"
     overrides = [*F64, *layout, "--parallel.bucket_mb=0.002", f"--run.checkpoint_every={SAVED_STEP}"]

@@ -247,9 +247,18 @@ def test_dim_not_divisible_by_heads():
         load_config(None, ["--model.dim=100", "--model.num_heads=3", "--model.num_kv_heads=1"])
 
 
-def test_tensor_parallel_not_in_this_version_refused():
-    with pytest.raises(ValueError, match=re.escape("parallel.tp=2")):
-        load_config(None, ["--parallel.tp=2", "--parallel.pp=2"])
+@pytest.mark.parametrize("overrides, message", [
+    (["--parallel.tp=3", "--model.num_heads=4"], "model.num_heads=4 must be divisible by parallel.tp=3"),
+    (["--parallel.tp=4", "--model.num_heads=12", "--model.num_kv_heads=6", "--model.dim=96"],
+     "model.num_kv_heads=6 and parallel.tp=4: one must divide the other"),
+    (["--parallel.tp=2", "--train.seq_len=33", "--model.max_seq_len=64"],
+     "train.seq_len=33 must be divisible by parallel.tp=2"),
+    (["--parallel.tp=2", "--router.type=expert_choice", "--router.capacity_factor=1.0"],
+     "router.type='expert_choice' with parallel.tp=2"),
+])
+def test_tensor_parallel_config_errors_name_the_problem(overrides, message):
+    with pytest.raises(ValueError, match=re.escape(message)):
+        load_config(None, overrides)
 
 
 @pytest.mark.parametrize("overrides, message", [

@@ -485,3 +485,36 @@ def test_probs_policy_ranks_near_ties_by_position():
     keep = router._within_capacity(expert_N, weight_N, cap=1)
     # expert 0: near tie -> the earlier (index 0) stays; expert 1: a real gap -> index 3 stays
     assert keep.tolist() == [True, False, False, True]
+
+
+class _WholeGroup:
+    """A token group of one slice: the router must then compute exactly what it computes alone."""
+    size = 1
+
+    def gather(self, t):
+        return t.clone()
+
+    def local(self, t):
+        return t
+
+    def total(self, t):
+        return t
+
+
+@pytest.mark.parametrize("policy", ["probs", "position"])
+def test_token_group_of_one_slice_equals_the_plain_router(policy):
+    cfg = RouterConfig(capacity_factor=0.75, drop_policy=policy, balance_coeff=0.1,
+                       seq_balance_coeff=0.05, z_coeff=0.01)
+    torch.manual_seed(0)
+    router = TopKRouter(16, 8, 2, cfg).double()
+    x = torch.randn(3 * 10, 16, dtype=torch.float64, requires_grad=True)
+    plain, plain_losses, plain_stats = router(x, seq_len=10)
+    grad_plain = torch.autograd.grad(plain_losses.total + plain.weight_N.sum(), x)[0]
+    router.token_group = _WholeGroup()
+    grouped, losses, stats = router(x, seq_len=10)
+    grad_grouped = torch.autograd.grad(losses.total + grouped.weight_N.sum(), x)[0]
+    assert torch.equal(grouped.expert_N, plain.expert_N) and int(stats.num_dropped) > 0
+    for a, b in ((losses.balance, plain_losses.balance), (losses.seq_balance, plain_losses.seq_balance),
+                 (losses.z, plain_losses.z)):
+        torch.testing.assert_close(a, b, rtol=1e-12, atol=0)
+    torch.testing.assert_close(grad_grouped, grad_plain, rtol=1e-12, atol=1e-15)
