@@ -2,6 +2,7 @@
 
 import json
 import pathlib
+import re
 import subprocess
 import sys
 
@@ -16,19 +17,46 @@ def moepar(*args, cwd=None):
                           cwd=cwd, timeout=240)
 
 
+def errors(result) -> str:
+    """stderr's tail without the launcher's and torch's warning chatter (the real error stays)."""
+    noise = ("torch/distributed/run.py", "*****", "OMP_NUM_THREADS", "Warning", "return func")
+    lines = [l for l in result.stderr.splitlines() if not any(n in l for n in noise)]
+    return "\n".join(lines)[-3000:]
+
+
 def test_there_are_examples():
     assert EXAMPLES
 
 
+def nproc_of(example: pathlib.Path) -> list[str]:
+    """An example that needs several processes says so in its usage line: `--nproc N`."""
+    found = re.search(r"--nproc (\d+)", example.read_text())
+    return ["--nproc", found.group(1)] if found else []
+
+
 @pytest.mark.parametrize("example", EXAMPLES, ids=lambda p: p.name)
 def test_example_trains(example, tmp_path):
-    result = moepar("train", str(example), "--train.steps=3", "--train.warmup_steps=1",
-                    "--run.log_every=1", f"--run.dir={tmp_path}")
-    assert result.returncode == 0, result.stderr[-3000:]
+    result = moepar("train", str(example), *nproc_of(example), "--train.steps=3",
+                    "--train.warmup_steps=1", "--run.log_every=1", f"--run.dir={tmp_path}")
+    assert result.returncode == 0, errors(result)
     assert "step     3/3" in result.stdout
     records = [json.loads(l) for l in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in records] == [1, 2, 3]
     assert (tmp_path / "checkpoints" / "step_3" / "manifest.json").exists()
+
+
+def test_four_axis_example_matches_the_single_process_losses(tmp_path):
+    """tiny_4d.toml (pp 2 x tp 2, ep 2, ZeRO-1 on 4 processes) is tiny.toml in another layout."""
+    runs = {}
+    for name, extra in (("tiny.toml", []), ("tiny_4d.toml", ["--nproc", "4"])):
+        run_dir = tmp_path / name
+        result = moepar("train", str(ROOT / "examples" / name), *extra, "--train.steps=2",
+                        "--run.log_every=1", f"--run.dir={run_dir}")
+        assert result.returncode == 0, errors(result)
+        runs[name] = [json.loads(l) for l in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    for one, four in zip(runs["tiny.toml"], runs["tiny_4d.toml"]):
+        for key in ("loss", "grad_norm", "aux_loss", "drop_fraction"):
+            assert abs(one[key] - four[key]) <= 1e-4 * abs(one[key]) + 1e-6, (key, one, four)
 
 
 def test_config_error_names_the_key(tmp_path):
