@@ -17,7 +17,12 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(dim))
 
     def forward(self, x):
-        return F.rms_norm(x, (x.shape[-1],), self.weight, self.eps)
+        # A weight held in lower precision than x (bf16 parameters under ZeRO-3) is widened, so
+        # the norm runs fused in x's dtype; otherwise the weight is used as it is.
+        weight = self.weight
+        if weight.dtype.itemsize < x.dtype.itemsize:
+            weight = weight.to(x.dtype)
+        return F.rms_norm(x, (x.shape[-1],), weight, self.eps)
 
 
 def rotary_tables(seq_len: int, head_dim: int, theta: float, dtype=torch.float64):

@@ -13,6 +13,7 @@ on its own tokens * k rows), alternately; a repeat costs what the slowest rank t
 import contextlib
 import os
 import statistics
+import sys
 import time
 
 import torch
@@ -158,8 +159,8 @@ def worker_main(args, dtype) -> dict:
             return bench_dispatch(args, dtype)
         return bench_moe_layer_ep(args, dtype)
     finally:
-        if dist.is_initialized():
-            dist.destroy_process_group()
+        from moepar.cli import end_process_group
+        end_process_group(clean=sys.exc_info()[0] is None)
 
 
 def launched() -> bool:

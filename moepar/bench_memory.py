@@ -23,6 +23,7 @@ parameters and gradients, fp32 master copy + m + v: P=2, G=2, O=12) gives 16, 4+
 """
 
 import os
+import sys
 import tempfile
 
 import torch
@@ -125,8 +126,8 @@ def worker_main(args) -> dict:
                 "dense_params": first.get("dense_params"),
                 "expert_params_per_rank": first.get("expert_params_per_rank"), "ranks": ranks}
     finally:
-        if dist.is_initialized():
-            dist.destroy_process_group()
+        from moepar.cli import end_process_group
+        end_process_group(clean=sys.exc_info()[0] is None)
 
 
 def print_result(result: dict):

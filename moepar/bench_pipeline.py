@@ -11,6 +11,7 @@ per pipeline rank:
 
 import contextlib
 import statistics
+import sys
 import tempfile
 import weakref
 
@@ -81,6 +82,8 @@ def worker_main(args) -> dict:
                          f"--train.global_batch_size={args.micro_batch * args.microbatches}",
                          f"--parallel.pp={args.pp}", f"--parallel.pp_schedule={args.schedule}",
                          f"--parallel.pp_virtual={virtual}", "--run.tensorboard=false",
+                         # CPU processes: action timings need no device synchronisation.
+                         "--train.device=cpu",
                          "--run.log_every=0", f"--run.dir={tmp}"]
             trainer = Trainer(load_config(None, overrides), log=lambda _m: None)
             runner = trainer.runner
@@ -104,8 +107,8 @@ def worker_main(args) -> dict:
                 "ideal_bubble": ideal_bubble(args.pp, args.microbatches, virtual),
                 "ranks": ranks}
     finally:
-        if dist.is_initialized():
-            dist.destroy_process_group()
+        from moepar.cli import end_process_group
+        end_process_group(clean=sys.exc_info()[0] is None)
 
 
 def print_result(result: dict):

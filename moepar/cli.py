@@ -64,17 +64,27 @@ def _train(argv: list[str]) -> int:
     rank = int(os.environ.get("RANK", 0))
     if rank == 0:
         print(to_toml(cfg), flush=True)
+    clean = False
     try:
         trainer = Trainer(cfg, log=lambda msg: print(msg, flush=True))
         trainer.run()
+        clean = True
     except (ValueError, NonFiniteError) as e:
         print(f"moepar: {e}", file=sys.stderr)
         return 1
     finally:
-        import torch.distributed as dist
-        if dist.is_initialized():
-            dist.destroy_process_group()
+        end_process_group(clean)
     return 0
+
+
+def end_process_group(clean: bool = True):
+    """Destroys the process group; after a clean run, only once every rank got here (a rank
+    tearing its communicators down while a peer still talks aborts that peer)."""
+    import torch.distributed as dist
+    if dist.is_initialized():
+        if clean:
+            dist.barrier()
+        dist.destroy_process_group()
 
 
 def _convert(argv: list[str]) -> int:

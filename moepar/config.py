@@ -41,7 +41,7 @@ class ParallelConfig:
     debug_splits: bool = False   # check all-to-all split sizes across ranks (raises, never hangs)
     backend: str = "auto"        # process group backend: auto (nccl on CUDA, else gloo), gloo, nccl
     bucket_mb: float = 25.0      # gradient buckets reduced while backward runs
-    grad_reduce_dtype: str = ""  # "" (the parameters' dtype), "bfloat16" or "float16" on the wire
+    grad_reduce_dtype: str = ""  # "" (the parameters' dtype) or "bfloat16" on the wire
     pp_schedule: str = "1f1b"    # pipeline schedule: "1f1b", "interleaved_1f1b" or "gpipe"
     pp_virtual: int = 1          # model chunks per pipeline rank (> 1: interleaved_1f1b)
     pp_layers: list[int] = field(default_factory=list)   # layers per chunk; empty: balanced
@@ -68,9 +68,13 @@ class ParallelConfig:
         if self.pp_virtual > 1 and self.pp_schedule != "interleaved_1f1b":
             raise ValueError(f"parallel.pp_virtual={self.pp_virtual} needs "
                              f"parallel.pp_schedule='interleaved_1f1b', not {self.pp_schedule!r}")
-        if self.grad_reduce_dtype not in ("", "float32", "bfloat16", "float16"):
+        if self.grad_reduce_dtype == "float16":
+            raise ValueError("parallel.grad_reduce_dtype='float16' is not supported: summed "
+                             "gradients overflow or flush to zero in float16 without loss "
+                             "scaling; use 'bfloat16' (float32's range)")
+        if self.grad_reduce_dtype not in ("", "float32", "bfloat16"):
             raise ValueError(f"parallel.grad_reduce_dtype={self.grad_reduce_dtype!r} is not one of "
-                             "'' (the parameters' dtype), 'float32', 'bfloat16', 'float16'")
+                             "'' (the parameters' dtype), 'float32', 'bfloat16'")
         if self.backend not in ("auto", "gloo", "nccl"):
             raise ValueError(f"parallel.backend={self.backend!r} is not one of 'auto', 'gloo', 'nccl'")
 

@@ -151,10 +151,11 @@ class Trainer:
         if self.dims.pp > 1:
             self.runner = PipelineRunner(self.model, self.meshes.group("pp"),
                                          cfg.parallel.pp_schedule, self.num_local_micro,
-                                         loss_fn=self.loss_fn)
+                                         loss_fn=self.loss_fn, autocast=self._autocast)
         # Data parallelism / ZeRO wraps the parameters last; it also decides what AdamW steps.
+        compute = torch.bfloat16 if tcfg.dtype == "bfloat16" else None
         self.sync, self.optimizer = data_parallel(self.model, cfg.parallel, self.dims, self.meshes,
-                                                  adamw_factory(tcfg))
+                                                  adamw_factory(tcfg), compute)
         # The norm's tp groups, from the parameters as wrapped (FSDP swaps in new ones).
         self._tp_split = None
         if self.tp_group is not None:
@@ -256,10 +257,9 @@ class Trainer:
                 hook = self.sync.after_backward if after else self.sync.before_backward
                 hook(action.micro == last_micro, action == final_backward)
 
-        with self._autocast():
-            loss_sum, moe_outputs = self.runner.run(
-                [b[0] for b in batches], [b[1] for b in batches],
-                before_action=lambda a: around(a, False), after_action=lambda a: around(a, True))
+        loss_sum, moe_outputs = self.runner.run(
+            [b[0] for b in batches], [b[1] for b in batches],
+            before_action=lambda a: around(a, False), after_action=lambda a: around(a, True))
         for outs in moe_outputs:
             stats.add(outs, self.cfg.router, self.moe_indices)
         self.sampler.position += self.num_micro
@@ -279,7 +279,7 @@ class Trainer:
                      slice_group=self.tp_group)
         max_norm = tcfg.grad_clip if tcfg.grad_clip > 0 else float("inf")
         groups = grad_norm_groups(self.model, self.sync, self.dims, self._tp_split)
-        grad_norm = float(clip_grad_norm(groups, max_norm, self.meshes))
+        grad_norm = float(clip_grad_norm(groups, max_norm, self.meshes, self.device))
         loss = float(loss_sum) / self.num_micro
         self.step += 1
         lr = lr_at(self.step, tcfg)

@@ -62,14 +62,15 @@ class LocalSync:
         return p.grad
 
 
-_WIRE = {"": None, "float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+_WIRE = {"": None, "float32": torch.float32, "bfloat16": torch.bfloat16}
 
 
-def data_parallel(model, parallel, dims, meshes, make_adamw):
+def data_parallel(model, parallel, dims, meshes, make_adamw, compute_dtype=None):
     """The last step of parallelize: (gradient sync, optimizer) for parallel.zero.
 
     `make_adamw(decay_params, no_decay_params)` builds the optimizer over whatever this stage
     steps: the parameters (zero 0 and 3, DTensors under 3) or the flat shards (zero 1 and 2).
+    `compute_dtype` (bfloat16 training) is the dtype ZeRO-3 gathers parameters in.
     The sync object has before_backward / after_backward around each backward, and
     grad_view(p) / dense_axes / expert_axes: where a gradient lives after the sync and the axes
     that storage is sharded over (see data.grad_norm_groups). Their arguments: `last`, the last backward of
@@ -89,5 +90,5 @@ def data_parallel(model, parallel, dims, meshes, make_adamw):
     if parallel.zero in (1, 2):
         sync = ZeroReducer(model, meshes, dims, parallel.zero, parallel.bucket_mb, wire)
         return sync, ShardedAdamW(sync, make_adamw)
-    sync = FullyShardedSync(model, meshes, dims, wire)
+    sync = FullyShardedSync(model, meshes, dims, wire, compute_dtype)
     return sync, make_adamw(*split(model.parameters()))

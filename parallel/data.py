@@ -90,7 +90,7 @@ def grad_norm_groups(model, sync, dims, tp_split=None):
 _AXIS_ORDER = ("dp", "edp", "ep", "tp", "pp")
 
 
-def clip_grad_norm(groups, max_norm: float, meshes) -> torch.Tensor:
+def clip_grad_norm(groups, max_norm: float, meshes, device=None) -> torch.Tensor:
     """Global L2 norm of all gradients, clipped to max_norm in place; returns the norm (float64).
 
     `groups` is [(this rank's gradient tensors, axes)]: the squares of a group are summed over
@@ -100,7 +100,7 @@ def clip_grad_norm(groups, max_norm: float, meshes) -> torch.Tensor:
     """
     from torch.nn.utils import get_total_norm
     grads = [g for group, _ in groups for g in group]
-    device = grads[0].device if grads else torch.device("cpu")
+    device = device or (grads[0].device if grads else torch.device("cpu"))
     squares = torch.zeros(len(groups), dtype=torch.float64, device=device)
     for i, (group, axes) in enumerate(groups):
         if group and axes is not None:

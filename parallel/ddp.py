@@ -18,8 +18,8 @@ this: it reduces every parameter over one group, and expert parameters need anot
 divisor. ZeRO stages 1 and 2 (zero.py) reuse the buckets and the launch order with
 reduce-scatters instead.
 
-`reduce_dtype` (parallel.grad_reduce_dtype) sends gradients in bfloat16/float16 and converts the
-sums back; accumulation over micro-batches stays in the parameters' dtype.
+`reduce_dtype` (parallel.grad_reduce_dtype) sends gradients in bfloat16 and converts the sums
+back; accumulation over micro-batches stays in the parameters' dtype.
 """
 
 import torch

@@ -33,6 +33,8 @@ intervals (the measured bubble), the number of micro-batches alive, and a point 
 data-parallel reducer. The schedules are a few dozen lines; writing them keeps all of that plain.
 """
 
+import contextlib
+import dataclasses
 import time
 from typing import NamedTuple
 
@@ -162,6 +164,12 @@ def default_loss(logits_BSV, targets_BS):
     return F.cross_entropy(logits_BSV.flatten(0, 1), targets_BS.flatten())
 
 
+def _statistics_only(out):
+    """A MoEOutput without its activation and with its losses detached (nothing kept alive)."""
+    losses = dataclasses.replace(out.aux_loss, total=out.aux_loss.total.detach())
+    return out._replace(y=None, aux_loss=losses)
+
+
 class PipelineRunner:
     """Runs one step's forwards and backwards of a StageModule under a schedule.
 
@@ -172,8 +180,12 @@ class PipelineRunner:
     `peak_in_flight` (the most chunk-micro-batches whose activations were alive at once).
     """
 
-    def __init__(self, stage, pp_group, schedule: str, num_micro: int, loss_fn=default_loss):
+    def __init__(self, stage, pp_group, schedule: str, num_micro: int, loss_fn=default_loss,
+                 autocast=contextlib.nullcontext):
         self.stage, self.group, self.num_micro, self.loss_fn = stage, pp_group, num_micro, loss_fn
+        # Entered around each forward and its loss only: backward must not run under autocast
+        # (it would recompute fp32 regions such as the router's backward in the autocast dtype).
+        self.autocast = autocast
         pp, virtual = stage.pp, stage.virtual
         if pp > 1:
             if pp_group is None or dist.get_world_size(pp_group) != pp:
@@ -197,7 +209,9 @@ class PipelineRunner:
         tokens_BS, num_micro each, the same on all pp ranks): the first stage reads the inputs,
         the last the targets, the others only their shapes. `before_action(action)` is called
         before each of this rank's actions (e.g. to arm a gradient reducer before a last backward),
-        `after_action(action)` after it (before the step's point-to-point traffic).
+        `after_action(action)` after it, once the time step's point-to-point traffic is done
+        (so a data-parallel reduction never delays the activations or gradients a neighbour
+        waits for).
 
         Returns (loss_sum, moe_outputs): the sum of the micro-batches' (unweighted) losses as a
         detached float64 scalar, zero except on the last stage (see `broadcast_loss`), and per
@@ -233,8 +247,6 @@ class PipelineRunner:
                 start = time.perf_counter()
                 sent = self._forward(action) if action.kind == "F" else self._backward(action)
                 self.events.append(Event(action, start, time.perf_counter()))
-                if after_action is not None:
-                    after_action(action)
                 alive += 1 if action.kind == "F" else -1
                 self.peak_in_flight = max(self.peak_in_flight, alive)
                 if sent is not None:
@@ -255,6 +267,8 @@ class PipelineRunner:
             if ops:
                 for work in dist.batch_isend_irecv(ops):
                     work.wait()
+            if action is not None and after_action is not None:
+                after_action(action)
         self.step_end = time.perf_counter()
         state, self._state = self._state, None
         moe_outputs = [[out for j in sorted(state["moe"][n]) for out in state["moe"][n][j]]
@@ -280,10 +294,13 @@ class PipelineRunner:
             x = state["inputs"][n].to(next(self.stage.parameters()).device)
         else:
             x = state["acts"].pop((c, n)).requires_grad_()
-        out, moe_outputs = self.stage(x, chunk=c // self.pp)
-        state["moe"].setdefault(n, {})[c // self.pp] = moe_outputs
+        with self.autocast():
+            out, moe_outputs = self.stage(x, chunk=c // self.pp)
+            if c == self.num_chunks - 1:
+                loss = self.loss_fn(out, state["targets"][n].to(out.device))
+        # Keep only what statistics need: `y` and the injected loss hold activations and graph.
+        state["moe"].setdefault(n, {})[c // self.pp] = [_statistics_only(o) for o in moe_outputs]
         if c == self.num_chunks - 1:
-            loss = self.loss_fn(out, state["targets"][n].to(out.device))
             state["loss_sum"] += loss.detach().to(torch.float64)
             state["saved"][(c, n)] = (x, loss / self.num_micro)
             return None

@@ -194,11 +194,21 @@ class FullyShardedSync:
 
     reduce_every_micro = True
 
-    def __init__(self, model, meshes, dims, reduce_dtype=None):
+    def __init__(self, model, meshes, dims, reduce_dtype=None, compute_dtype=None):
         from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
         from torch.distributed.tensor import Shard
+        if not hasattr(FSDPModule, "set_force_sum_reduction_for_comms"):
+            raise ValueError(f"parallel.zero=3 needs torch >= 2.8 (FSDP2's sum-only reductions); "
+                             f"this is torch {torch.__version__}. Use parallel.zero=2 or upgrade")
         self.model = model
-        policy = MixedPrecisionPolicy(reduce_dtype=reduce_dtype)
+        # Under bf16 the weights are gathered in bf16 (half the bytes, and no full-size autocast
+        # copy saved for backward); gradients are reduced in float32 unless a wire dtype is set.
+        # Inputs keep their dtype (the residual stream stays float32, as without ZeRO-3); routers
+        # and the root stay float32 (see below).
+        reduce_dtype = reduce_dtype or (torch.float32 if compute_dtype is not None else None)
+        policy = MixedPrecisionPolicy(param_dtype=compute_dtype, reduce_dtype=reduce_dtype,
+                                      cast_forward_inputs=False)
+        fp32_policy = MixedPrecisionPolicy(reduce_dtype=reduce_dtype, cast_forward_inputs=False)
         dp_mesh, edp_mesh = meshes.dense["dp"], meshes.expert["edp"]
 
         def placement(mesh):
@@ -215,8 +225,13 @@ class FullyShardedSync:
                             shard_placement_fn=placement(edp_mesh))
                 if expert_scale != 1.0:
                     experts.set_all_reduce_hook(lambda g, s=expert_scale: g.mul_(s))
+                if compute_dtype is not None:
+                    fully_shard(block.ffn.router, mesh=dp_mesh, mp_policy=fp32_policy)
             fully_shard(block, mesh=dp_mesh, mp_policy=policy, shard_placement_fn=placement(dp_mesh))
-        fully_shard(model, mesh=dp_mesh, mp_policy=policy, shard_placement_fn=placement(dp_mesh))
+        # The root (embedding, final norm, head) stays float32: the embedding starts the float32
+        # residual stream (and pipeline stages exchange it in the parameters' dtype).
+        fully_shard(model, mesh=dp_mesh, mp_policy=fp32_policy,
+                    shard_placement_fn=placement(dp_mesh))
         for m in model.modules():
             if isinstance(m, FSDPModule):
                 m.set_force_sum_reduction_for_comms(True)

@@ -140,3 +140,36 @@ def test_pipeline_equals_accumulation(worlds, schedule, world, pp, virtual, m, m
     num_moe = {r[0]: r[3] for r in results}
     if model_kw.get("first_k_dense") == 2:
         assert num_moe[0] == 0 and num_moe[1] == 2     # the stage without MoE took part too
+
+
+def case_trainer_bf16_backward_outside_autocast(run_dir: str):
+    from configs import tiny_config
+    from moepar.train import Trainer
+    trainer = Trainer(tiny_config(run_dir, "--parallel.pp=2", "--train.dtype=bfloat16",
+                                  "--train.global_batch_size=8"), log=lambda _m: None)
+    during_backward = []
+    for p in trainer.model.parameters():
+        p.register_post_accumulate_grad_hook(
+            lambda _p: during_backward.append(torch.is_autocast_enabled("cpu")))
+    kept = []
+    real_run = trainer.runner.run
+
+    def run(*args, **kwargs):
+        loss_sum, outputs = real_run(*args, **kwargs)
+        kept.extend(o for per_micro in outputs for o in per_micro)
+        return loss_sum, outputs
+
+    trainer.runner.run = run
+    trainer.train_step()
+    dist.barrier()
+    return (len(during_backward), any(during_backward), len(kept),
+            all(o.y is None and not o.aux_loss.total.requires_grad for o in kept))
+
+
+def test_trainer_pipeline_bf16_backward_runs_outside_autocast(worlds, tmp_path):
+    """Autocast covers each stage's forward and loss only: backward (the router's float32 maths
+    included) never runs under it, and the kept MoE outputs hold no activation or graph."""
+    for grads, under_autocast, kept, detached in worlds(2).run(
+            case_trainer_bf16_backward_outside_autocast, str(tmp_path), timeout=120):
+        assert grads > 0 and not under_autocast
+        assert kept == 4 and detached        # 4 micro-batches x 1 MoE layer on each stage

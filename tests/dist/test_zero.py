@@ -128,3 +128,35 @@ def test_bfloat16_gradient_reduction_stays_close_to_float32(worlds, tmp_path, ze
         assert math.isclose(loss, w_loss, rel_tol=1e-3), (wire, exact)
         assert math.isclose(gnorm, w_gnorm, rel_tol=2e-2), (wire, exact)
     assert wire != exact, "bfloat16 on the wire should round something"
+
+
+def case_zero3_bfloat16(run_dir: str):
+    trainer = Trainer(tiny_config(run_dir, "--parallel.ep=2", "--parallel.zero=3",
+                                  "--train.dtype=bfloat16", "--train.steps=3"), log=quiet)
+    seen = {}
+
+    def record(name):
+        def hook(module, args):
+            seen.setdefault(name, module.weight.dtype)
+        return hook
+
+    block = trainer.model.layers[1]
+    block.attn.q_proj.register_forward_pre_hook(record("attention"))
+    block.ffn.router.register_forward_pre_hook(record("router"))
+    trainer.model.embed.register_forward_pre_hook(record("embedding"))
+    records = trainer.run()
+    dist.barrier()
+    return {k: str(v) for k, v in seen.items()}, [r["loss"] for r in records]
+
+
+def test_zero3_bfloat16_gathers_bf16_weights_but_keeps_router_and_embedding_float32(worlds, tmp_path):
+    """Blocks compute from bf16 gathers (half the bytes, nothing full-size saved in float32);
+    the router maths and the residual stream stay float32; losses match one bf16 process."""
+    single = Trainer(tiny_config(tmp_path / "one", "--train.dtype=bfloat16", "--train.steps=3"),
+                     log=quiet)
+    want = [r["loss"] for r in single.run()]
+    dtypes, losses = worlds(2).run(case_zero3_bfloat16, str(tmp_path / "z3"), timeout=120)[0]
+    assert dtypes == {"attention": "torch.bfloat16", "router": "torch.float32",
+                      "embedding": "torch.float32"}
+    for got, ref in zip(losses, want):
+        assert math.isclose(got, ref, rel_tol=2e-3), (losses, want)

@@ -70,7 +70,7 @@ def test_config_error_names_the_key(tmp_path):
 def test_bench_moe_layer_json():
     result = moepar("bench", "moe-layer", "--tokens=256", "--dim=32", "--ffn-dim=64",
                     "--experts=4", "--repeats=1", "--warmup=0", "--json")
-    assert result.returncode == 0, result.stderr[-3000:]
+    assert result.returncode == 0, errors(result)
     record = json.loads(result.stdout)
     for key in ("moe_ms", "ideal_ms", "naive_ms", "ratio_vs_ideal"):
         assert record[key] > 0
@@ -84,7 +84,7 @@ def test_nproc_launcher_trains_with_expert_parallelism(tmp_path):
     result = moepar("train", str(ROOT / "examples" / "tiny.toml"), "--nproc", "2",
                     "--parallel.ep=2", "--train.steps=2", "--run.log_every=1",
                     f"--run.dir={tmp_path / 'two'}")
-    assert result.returncode == 0, result.stderr[-3000:]
+    assert result.returncode == 0, errors(result)
     assert "ep 2" in result.stdout
     one = [json.loads(l) for l in (tmp_path / "one" / "metrics.jsonl").read_text().splitlines()]
     two = [json.loads(l) for l in (tmp_path / "two" / "metrics.jsonl").read_text().splitlines()]
@@ -105,7 +105,7 @@ def test_bad_layout_fails_before_launching(tmp_path):
 def test_bench_dispatch_json():
     result = moepar("bench", "dispatch", "--ep=2", "--tokens=64", "--dim=16", "--experts=4",
                     "--repeats=1", "--warmup=0", "--json")
-    assert result.returncode == 0, result.stderr[-3000:]
+    assert result.returncode == 0, errors(result)
     record = json.loads(result.stdout.strip().splitlines()[-1])
     cases = record["cases"]
     assert set(cases) == {"alltoall", "alltoall+dedup", "allgather"}
@@ -117,7 +117,7 @@ def test_bench_memory_json():
     """`moepar bench memory --zero 2 --dp 2 --ep 2`: two workers, each within 5% of the formula."""
     result = moepar("bench", "memory", "--zero=2", "--dp=2", "--ep=2", "--dim=32", "--layers=2",
                     "--heads=4", "--experts=4", "--json")
-    assert result.returncode == 0, result.stderr[-3000:]
+    assert result.returncode == 0, errors(result)
     record = json.loads(result.stdout.strip().splitlines()[-1])
     assert (record["zero"], record["dp"], record["ep"], len(record["ranks"])) == (2, 2, 2, 2)
     for rank in record["ranks"]:
@@ -132,7 +132,7 @@ def test_bench_pipeline_json_activation_memory_follows_the_schedule():
         result = moepar("bench", "pipeline", "--pp=2", f"--schedule={schedule}", "--dim=32",
                         "--layers=2", "--heads=4", "--experts=4", "--seq=32", "--repeats=1",
                         "--warmup=0", "--microbatches=8", "--json")
-        assert result.returncode == 0, result.stderr[-3000:]
+        assert result.returncode == 0, errors(result)
         record = json.loads(result.stdout.strip().splitlines()[-1])
         assert record["ideal_bubble"] == 1 / 9
         ranks = sorted(record["ranks"], key=lambda r: r["pp_rank"])
@@ -152,7 +152,7 @@ def test_under_torchrun(tmp_path):
          "-m", "moepar", "train", str(ROOT / "examples" / "tiny.toml"), "--parallel.ep=2",
          "--train.steps=2", "--run.log_every=1", f"--run.dir={tmp_path}"],
         capture_output=True, text=True, timeout=240)
-    assert result.returncode == 0, result.stderr[-3000:]
+    assert result.returncode == 0, errors(result)
     assert result.stdout.count("step     2/2") == 1          # rank 0 alone reports
     assert "world 2 = pp 1 x dp 2 x tp 1; experts: pp 1 x edp 1 x ep 2" in result.stdout
 

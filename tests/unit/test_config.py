@@ -282,6 +282,7 @@ def test_pipeline_config_errors_name_the_problem(overrides, message):
 @pytest.mark.parametrize("overrides, message", [
     (["--parallel.zero=4"], "parallel.zero=4 is not one of 0, 1, 2, 3"),
     (["--parallel.grad_reduce_dtype=int8"], "parallel.grad_reduce_dtype='int8' is not one of"),
+    (["--parallel.grad_reduce_dtype=float16"], "without loss scaling; use 'bfloat16'"),
 ])
 def test_zero_and_wire_dtype_checked(overrides, message):
     with pytest.raises(ValueError, match=re.escape(message)):
