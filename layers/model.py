@@ -227,6 +227,9 @@ class Transformer(nn.Module):
             x_BSD, moe_out = block(x_BSD, cos, sin)
             if moe_out is not None:
                 moe_outputs.append(moe_out)
-        x_BSD = self.norm(x_BSD)
+        return self.output(x_BSD), moe_outputs
+
+    def output(self, x_BSD):
+        """Final norm and LM head: hidden states -> logits."""
         weight = self.embed.weight if self.head is None else self.head.weight
-        return F.linear(x_BSD, weight), moe_outputs
+        return F.linear(self.norm(x_BSD), weight)

@@ -26,7 +26,7 @@ from moepar.data import WindowSampler, check_token_range, load_tokens
 from moepar.layers import TopKRouter, Transformer
 from moepar.metrics import MetricsWriter, StepStats
 from moepar.parallel import ParallelDims, data_parallel, parallelize
-from moepar.parallel.data import clip_grad_norm, grad_norm_groups, split_parameters
+from moepar.parallel.data import clip_grad_norm, grad_norm_groups
 from moepar.parallel.tensor import (reduce_sequence_parallel_grads, tp_norm_parameters,
                                     tp_shard_spec)
 from moepar.parallel.vocab import vocab_parallel_cross_entropy
@@ -157,12 +157,8 @@ class Trainer:
         self.sync, self.optimizer = data_parallel(self.model, cfg.parallel, self.dims, self.meshes,
                                                   adamw_factory(tcfg), compute)
         # The norm's tp groups, from the parameters as wrapped (FSDP swaps in new ones).
-        self._tp_split = None
-        if self.tp_group is not None:
-            sharded, replicated = tp_norm_parameters(self.model, self.tp_group)
-            counted = {id(p) for p in sharded + replicated}
-            extra = [p for p in split_parameters(self.model)[0] if id(p) not in counted]
-            self._tp_split = (sharded, replicated, extra)
+        self._tp_split = (tp_norm_parameters(self.model, self.tp_group)
+                          if self.tp_group is not None else None)
         self.step = 0
         if resume_path:
             state = load_checkpoint(resume_path, self.model, self.optimizer, self.owner)
@@ -228,10 +224,10 @@ class Trainer:
     def forward_backward(self, stats: StepStats) -> torch.Tensor:
         """This rank's micro-batches of one step, gradients reduced; returns their loss sum
         (under pp: zero except on the last stage; the step-end reduction sums over pp)."""
-        loss_sum = torch.zeros((), dtype=torch.float64, device=self.device)
         base = self.sampler.position + self.first_micro
         if self.runner is not None:
             return self._pipeline_step(base, stats)
+        loss_sum = torch.zeros((), dtype=torch.float64, device=self.device)
         for i in range(self.num_local_micro):
             # Gradients reduce while the last backward runs (ZeRO-2: every backward).
             last = i == self.num_local_micro - 1

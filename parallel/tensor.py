@@ -254,22 +254,18 @@ class TensorParallelTransformer(Transformer):
     """
 
     def forward(self, tokens_BS):
-        seq = tokens_BS.shape[1]
-        if seq > self.cfg.max_seq_len:
-            raise ValueError(f"sequence length {seq} exceeds model.max_seq_len={self.cfg.max_seq_len}")
-        if seq % self.tp_size:
-            raise ValueError(f"sequence length {seq} must be divisible by parallel.tp="
-                             f"{self.tp_size} (sequence parallelism splits it between blocks)")
-        x_BsD = self.embed(tokens_BS)
-        cos, sin = self.rope_cos[:seq], self.rope_sin[:seq]
-        moe_outputs = []
-        for block in self.layers:
-            x_BsD, moe_out = block(x_BsD, cos, sin)
-            if moe_out is not None:
-                moe_outputs.append(moe_out)
+        if tokens_BS.shape[1] % self.tp_size:
+            raise ValueError(f"sequence length {tokens_BS.shape[1]} must be divisible by "
+                             f"parallel.tp={self.tp_size} (sequence parallelism splits it "
+                             "between blocks)")
+        return super().forward(tokens_BS)      # the blocks run on sequence slices x_BsD
+
+    def output(self, x_BsD):
+        """Final norm on this rank's slice, then the whole sequence through its vocabulary
+        columns."""
         x_BSD = gather_sequence(self.norm(x_BsD), self.tp_group)
         weight = self.embed.weight if self.head is None else self.head.weight
-        return F.linear(x_BSD, weight), moe_outputs
+        return F.linear(x_BSD, weight)
 
 
 # ---- apply ----------------------------------------------------------------------------------
@@ -412,13 +408,15 @@ def _split(model):
 
 
 def tp_norm_parameters(model, group):
-    """(sharded, replicated) for a global gradient norm: sum the squares of `sharded` over tp
-    (a piece held by several ranks is listed on the first of them only) and count `replicated`
-    once (equal on every tp rank after reduce_sequence_parallel_grads). Routed experts are in
-    neither list (data.py's expert group covers them)."""
+    """(sharded, replicated, extra replicas) for a global gradient norm: sum the squares of
+    `sharded` over tp (a piece held by several ranks is listed on the first of them only), count
+    `replicated` once (equal on every tp rank after reduce_sequence_parallel_grads), and clip but
+    do not count the other holders' copies of a shared piece. Routed experts are in none of the
+    lists (data.py's expert group covers them)."""
     tp_rank = dist.get_rank(group) if group_size(group) > 1 else 0
     sharded, replicated = _split(model)
-    return [p for p, spec in sharded if tp_rank % spec.replicas == 0], replicated
+    first = [p for p, spec in sharded if tp_rank % spec.replicas == 0]
+    return first, replicated, [p for p, spec in sharded if tp_rank % spec.replicas]
 
 
 def reduce_sequence_parallel_grads(model, group, grad_view=None):

@@ -1,6 +1,9 @@
 """Tiny run configs shared by the tests: a 2-layer, 4-expert model that trains in a second."""
 
+import torch
+
 from moepar.config import load_config
+from moepar.layers import ModelConfig, RouterConfig, Transformer
 
 
 def tiny_config(run_dir, *overrides):
@@ -12,3 +15,21 @@ def tiny_config(run_dir, *overrides):
             "--train.warmup_steps=2", "--train.lr=3e-3", "--run.log_every=0",
             "--run.tensorboard=false", f"--run.dir={run_dir}"]
     return load_config(None, base + list(overrides))
+
+
+def tiny_model(**overrides):
+    """A float64 4-layer, 4-expert Transformer (vocabulary 64) with capacity and aux losses."""
+    cfg = dict(vocab_size=64, dim=32, num_layers=4, num_heads=4, num_kv_heads=2, ffn_dim=64,
+               moe_ffn_dim=32, num_experts=4, top_k=2, max_seq_len=16)
+    cfg.update(overrides)
+    torch.manual_seed(0)
+    router = RouterConfig(capacity_factor=1.0, z_coeff=1e-3, seq_balance_coeff=1e-2)
+    return Transformer(ModelConfig(**cfg), router).double()
+
+
+def token_batches(m: int, seed: int = 1):
+    """m micro-batches of 2 sequences of 8 ids < 64: (inputs, targets) lists."""
+    gen = torch.Generator().manual_seed(seed)
+    inputs = [torch.randint(0, 64, (2, 8), generator=gen) for _ in range(m)]
+    targets = [torch.randint(0, 64, (2, 8), generator=gen) for _ in range(m)]
+    return inputs, targets

@@ -10,29 +10,13 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from moepar.layers import ModelConfig, RouterConfig, Transformer
+from configs import tiny_config, tiny_model, token_batches
 from moepar.layers.experts import GroupedExperts
 from moepar.parallel.dims import ParallelDims
 from moepar.parallel.expert import apply_ep
 from moepar.parallel.pipeline import broadcast_loss, build_stage
 from moepar.parallel.schedules import (PipelineRunner, default_loss, measured_bubble,
                                        peak_in_flight, rank_order)
-
-
-def tiny_model(**overrides):
-    cfg = dict(vocab_size=64, dim=32, num_layers=4, num_heads=4, num_kv_heads=2, ffn_dim=64,
-               moe_ffn_dim=32, num_experts=4, top_k=2, max_seq_len=16)
-    cfg.update(overrides)
-    torch.manual_seed(0)
-    router = RouterConfig(capacity_factor=1.0, z_coeff=1e-3, seq_balance_coeff=1e-2)
-    return Transformer(ModelConfig(**cfg), router).double()
-
-
-def batches(m: int):
-    gen = torch.Generator().manual_seed(1)
-    inputs = [torch.randint(0, 64, (2, 8), generator=gen) for _ in range(m)]
-    targets = [torch.randint(0, 64, (2, 8), generator=gen) for _ in range(m)]
-    return inputs, targets
 
 
 def aux_only(logits_BSV, targets_BS):
@@ -70,7 +54,7 @@ def case_parity(schedule: str, pp: int, virtual: int, m: int, model_kw: dict, lo
     if ep > 1:
         apply_ep(full, dims, meshes, rank)
     stage = build_stage(full, coords.pp, pp, virtual)
-    inputs, targets = batches(m * dims.dp)
+    inputs, targets = token_batches(m * dims.dp)
     mine = slice(coords.dp * m, (coords.dp + 1) * m)
     runner = PipelineRunner(stage, meshes.group("pp"), schedule, m, LOSSES[loss])
     loss_sum, moe_outputs = runner.run(inputs[mine], targets[mine])
@@ -143,7 +127,6 @@ def test_pipeline_equals_accumulation(worlds, schedule, world, pp, virtual, m, m
 
 
 def case_trainer_bf16_backward_outside_autocast(run_dir: str):
-    from configs import tiny_config
     from moepar.train import Trainer
     trainer = Trainer(tiny_config(run_dir, "--parallel.pp=2", "--train.dtype=bfloat16",
                                   "--train.global_batch_size=8"), log=lambda _m: None)

@@ -189,7 +189,7 @@ def run_model(reference, model, group, rank, tp):
     # edp, which spans these tp ranks: the test sums over tp alone (one dp replica).
     assert_grads_match(model, reference, group, rank, expert_group=group)
     # The global norm of the non-expert gradients: shards (each piece once) summed over tp.
-    sharded, replicated = tp_norm_parameters(model, group)
+    sharded, replicated, _ = tp_norm_parameters(model, group)
     squares = sum(p.grad.square().sum() for p in sharded)
     dist.all_reduce(squares, group=group)
     squares = squares + sum(p.grad.square().sum() for p in replicated)

@@ -8,7 +8,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from moepar.layers import ModelConfig, RouterConfig, Transformer
+from configs import tiny_model, token_batches
 from moepar.parallel.pipeline import build_stage, rank_chunks, split_layers
 from moepar.parallel.schedules import (Action, PipelineRunner, check_schedule, ideal_bubble,
                                        peak_in_flight, rank_order, timetable)
@@ -94,22 +94,6 @@ def test_micro_batches_alive():
 
 # ---- the stage module and the runner on one pipeline rank -----------------------------------
 
-def tiny_model(**overrides):
-    cfg = dict(vocab_size=64, dim=32, num_layers=4, num_heads=4, num_kv_heads=2, ffn_dim=64,
-               moe_ffn_dim=32, num_experts=4, top_k=2, max_seq_len=16)
-    cfg.update(overrides)
-    torch.manual_seed(0)
-    router = RouterConfig(capacity_factor=1.0, z_coeff=1e-3, seq_balance_coeff=1e-2)
-    return Transformer(ModelConfig(**cfg), router).double()
-
-
-def batches(m: int, seed: int = 1):
-    gen = torch.Generator().manual_seed(seed)
-    inputs = [torch.randint(0, 64, (2, 8), generator=gen) for _ in range(m)]
-    targets = [torch.randint(0, 64, (2, 8), generator=gen) for _ in range(m)]
-    return inputs, targets
-
-
 def reference_step(model, inputs, targets) -> float:
     """Plain gradient accumulation, as the trainer does without pipelining."""
     m = len(inputs)
@@ -125,7 +109,7 @@ def reference_step(model, inputs, targets) -> float:
 
 def test_stages_chained_equal_the_model_and_keep_its_names():
     model = tiny_model(num_layers=5, first_k_dense=1, moe_every=2)   # MoE layers 1 and 3
-    tokens, _ = batches(1)
+    tokens, _ = token_batches(1)
     want, want_moe = model(tokens[0])
     stages = [build_stage(copy.deepcopy(model), r, 2, 2, pp_layers=[1, 2, 1, 1]) for r in range(2)]
     assert [s.layer_ids for s in stages] == [[0, 3], [1, 2, 4]]
@@ -147,7 +131,7 @@ def test_tied_embeddings_refused_across_ranks_but_fine_on_one():
     with pytest.raises(ValueError, match="tie_embeddings=true with parallel.pp>1"):
         build_stage(copy.deepcopy(model), 0, 2)
     stage = build_stage(model, 0, 1, 2)     # both ends on this rank: the tie just works
-    tokens, _ = batches(1)
+    tokens, _ = token_batches(1)
     x, _ = stage(tokens[0], chunk=0)
     logits, _ = stage(x, chunk=1)
     torch.testing.assert_close(logits, model(tokens[0])[0], rtol=0, atol=0)
@@ -156,7 +140,7 @@ def test_tied_embeddings_refused_across_ranks_but_fine_on_one():
 @pytest.mark.parametrize("schedule, virtual", [("gpipe", 1), ("1f1b", 1), ("interleaved_1f1b", 2)])
 def test_runner_on_one_rank_equals_accumulation(schedule, virtual):
     reference = tiny_model(first_k_dense=1)
-    inputs, targets = batches(3)
+    inputs, targets = token_batches(3)
     want = reference_step(reference, inputs, targets)
     stage = build_stage(copy.deepcopy(reference), 0, 1, virtual)
     for p in stage.parameters():
