@@ -17,7 +17,6 @@ import time
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 
 from moepar.checkpoint import (Owner, checkpoint_step, complete_steps, latest_checkpoint,
                                load_checkpoint, recover_interrupted, save_checkpoint)
@@ -30,7 +29,7 @@ from moepar.parallel.data import clip_grad_norm, grad_norm_groups
 from moepar.parallel.tensor import (reduce_sequence_parallel_grads, tp_norm_parameters,
                                     tp_shard_spec)
 from moepar.parallel.vocab import vocab_parallel_cross_entropy
-from moepar.parallel.schedules import PipelineRunner, check_schedule
+from moepar.parallel.schedules import PipelineRunner, check_schedule, default_loss
 
 __all__ = ["Trainer", "lr_at", "NonFiniteError", "build_dims"]
 
@@ -237,11 +236,11 @@ class Trainer:
 
     def loss_fn(self, logits_BSV, targets_BS):
         """Mean cross-entropy in float32 or wider; vocabulary-parallel under tp (logits stay split)."""
+        if self.tp_group is None:
+            return default_loss(logits_BSV, targets_BS)
         logits_BSV = logits_BSV.to(torch.promote_types(logits_BSV.dtype, torch.float32))
-        if self.tp_group is not None:
-            return vocab_parallel_cross_entropy(logits_BSV, targets_BS, self.tp_group,
-                                                self.cfg.model.vocab_size)
-        return F.cross_entropy(logits_BSV.flatten(0, 1), targets_BS.flatten())
+        return vocab_parallel_cross_entropy(logits_BSV, targets_BS, self.tp_group,
+                                            self.cfg.model.vocab_size)
 
     def _pipeline_step(self, base: int, stats: StepStats) -> torch.Tensor:
         batches = [self.sampler.batch(base + i) for i in range(self.num_local_micro)]

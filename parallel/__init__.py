@@ -45,11 +45,6 @@ def parallelize(model, parallel, dims=None, meshes=None, rank: int = 0,
 class LocalSync:
     """One process: nothing to reduce; the same interface as the reducers."""
 
-    reduce_every_micro = False
-
-    def __init__(self, model):
-        self.model = model
-
     def before_backward(self, last: bool, step_final: bool | None = None):
         pass
 
@@ -73,16 +68,16 @@ def data_parallel(model, parallel, dims, meshes, make_adamw, compute_dtype=None)
     `compute_dtype` (bfloat16 training) is the dtype ZeRO-3 gathers parameters in.
     The sync object has before_backward / after_backward around each backward, and
     grad_view(p) / dense_axes / expert_axes: where a gradient lives after the sync and the axes
-    that storage is sharded over (see data.grad_norm_groups). Their arguments: `last`, the last backward of
-    the modules it runs in this step; `step_final`, the last backward of the step on this rank
-    (they differ only for interleaved pipeline chunks; default: `last`).
+    that storage is sharded over (see data.grad_norm_groups). Their arguments: `last`, the last
+    backward of the modules it runs in this step; `step_final`, the last backward of the step on
+    this rank (they differ only for interleaved pipeline chunks; default: `last`).
     """
     def split(params):
         params = list(params)
         return [p for p in params if p.dim() >= 2], [p for p in params if p.dim() < 2]
 
     if meshes is None:
-        return LocalSync(model), make_adamw(*split(model.parameters()))
+        return LocalSync(), make_adamw(*split(model.parameters()))
     wire = _WIRE[parallel.grad_reduce_dtype]
     if parallel.zero == 0:
         sync = OverlappedReducer(model, meshes, dims, parallel.bucket_mb, wire)

@@ -110,7 +110,7 @@ def clip_grad_norm(groups, max_norm: float, meshes, device=None) -> torch.Tensor
             rows = [i for i, (_, axes) in enumerate(groups) if axes and axis in axes]
             if rows:
                 part = squares[rows]
-                dist.all_reduce(part, group=meshes.group(axis))
+                all_reduce_sum([part], meshes.group(axis))
                 squares[rows] = part
     total = squares.sum().sqrt()
     if math.isfinite(max_norm) and grads:

@@ -70,12 +70,15 @@ class OverlappedReducer:
                       for b in self.buckets for p in b.params]
 
     # -- the training step's view -----------------------------------------------------------
+    def _reduces(self, last: bool, step_final: bool | None) -> bool:
+        return self.reduce_every_micro or (last if step_final is None else step_final)
+
     def before_backward(self, last: bool, step_final: bool | None = None):
-        if (last if step_final is None else step_final) or self.reduce_every_micro:
+        if self._reduces(last, step_final):
             self.arm()
 
     def after_backward(self, last: bool, step_final: bool | None = None):
-        if (last if step_final is None else step_final) or self.reduce_every_micro:
+        if self._reduces(last, step_final):
             self.finish()
 
     # Where each gradient lives after the sync, and the axes its storage is sharded over

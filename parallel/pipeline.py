@@ -1,7 +1,7 @@
 """Pipeline parallelism, the split: which layers each stage holds, and the stage module itself.
 
-Talks on the `pp` group only to broadcast the step's loss (`broadcast_loss`); the schedules and
-their point-to-point traffic live in schedules.py.
+Talks on no process group: the schedules and their point-to-point traffic live in
+schedules.py.
 
 Legend: B batch (sequences), S sequence length, D model dim, V vocabulary.
 
@@ -23,13 +23,12 @@ own gradient all-reduce between the first and last stage.
 """
 
 import torch
-import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
 from .tensor import gather_sequence
 
-__all__ = ["split_layers", "rank_chunks", "StageModule", "build_stage", "broadcast_loss"]
+__all__ = ["split_layers", "rank_chunks", "StageModule", "build_stage"]
 
 
 def split_layers(num_layers: int, pp: int, virtual: int = 1,
@@ -173,16 +172,3 @@ def build_stage(model, pp_rank: int, pp: int, virtual: int = 1,
     rank). The stage takes the model's modules as they are (no copy): apply EP and activation
     checkpointing to the full model first; data parallelism / ZeRO wrap the stage after."""
     return StageModule(model, pp_rank, pp, virtual, pp_layers)
-
-
-def broadcast_loss(loss: torch.Tensor, pp_group) -> torch.Tensor:
-    """The last stage's loss on every pipeline rank (in place and returned).
-
-    Collective: broadcast over `pp` from pp rank pp-1 (forward only, no autograd); no host sync.
-    A no-op without a group or on a group of one.
-    """
-    if pp_group is None or dist.get_world_size(pp_group) == 1:
-        return loss
-    src = dist.get_global_rank(pp_group, dist.get_world_size(pp_group) - 1)
-    dist.broadcast(loss, src=src, group=pp_group)
-    return loss

@@ -214,7 +214,7 @@ class PipelineRunner:
         waits for).
 
         Returns (loss_sum, moe_outputs): the sum of the micro-batches' (unweighted) losses as a
-        detached float64 scalar, zero except on the last stage (see `broadcast_loss`), and per
+        detached float64 scalar, zero except on the last stage (sum it over pp to have it everywhere), and per
         micro-batch the list of this rank's MoEOutputs in layer order (for StepStats.add).
         Gradients accumulate into the stage's parameters.
 

@@ -192,8 +192,6 @@ class ShardedAdamW:
 class FullyShardedSync:
     """zero=3: FSDP2 over two meshes; the training step's side of it."""
 
-    reduce_every_micro = True
-
     def __init__(self, model, meshes, dims, reduce_dtype=None, compute_dtype=None):
         from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
         from torch.distributed.tensor import Shard

@@ -14,7 +14,7 @@ from configs import tiny_config, tiny_model, token_batches
 from moepar.layers.experts import GroupedExperts
 from moepar.parallel.dims import ParallelDims
 from moepar.parallel.expert import apply_ep
-from moepar.parallel.pipeline import broadcast_loss, build_stage
+from moepar.parallel.pipeline import build_stage
 from moepar.parallel.schedules import (PipelineRunner, default_loss, measured_bubble,
                                        peak_in_flight, rank_order)
 
@@ -58,7 +58,7 @@ def case_parity(schedule: str, pp: int, virtual: int, m: int, model_kw: dict, lo
     mine = slice(coords.dp * m, (coords.dp + 1) * m)
     runner = PipelineRunner(stage, meshes.group("pp"), schedule, m, LOSSES[loss])
     loss_sum, moe_outputs = runner.run(inputs[mine], targets[mine])
-    broadcast_loss(loss_sum, meshes.group("pp"))
+    dist.all_reduce(loss_sum, group=meshes.group("pp"))   # zero off the last stage, as the trainer
     want_sum, want_moe = reference_step(reference, inputs, targets, LOSSES[loss])
 
     # The loss, on every rank (summed over dp, as the trainer's step-end all-reduce does).
