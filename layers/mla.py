@@ -9,7 +9,7 @@ N the no-RoPE ("nope") and R the RoPE part of a q/k head, V the value head dim.
     attention over [q_nope | rope(q_rot)] . [k_nope | rope(kr)], softmax scale (N + R)^-0.5
 
 RoPE here is the rotate-half form. DeepSeek's checkpoints lay the R rotary dims out in
-interleaved pairs; converting them is a fixed permutation of those weight rows (moepar.hf_arch),
+interleaved pairs; converting them is a fixed permutation of those weight rows (moepar.hf.arch),
 which leaves every q.k product unchanged.
 """
 

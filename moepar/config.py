@@ -8,6 +8,7 @@ The model and router sections are the dataclasses `moepar.layers` builds from.
 import dataclasses
 import json
 import os
+import re
 import tomllib
 import types
 import typing
@@ -21,7 +22,8 @@ from moepar.parallel.schedules import SCHEDULES
 from moepar.parallel.tensor import check_tp
 
 __all__ = ["RunConfig", "ParallelConfig", "TrainConfig", "DataConfig", "OutputConfig",
-           "load_config", "parse_overrides", "to_toml", "to_dict", "sections_toml"]
+           "load_config", "parse_overrides", "to_toml", "to_dict", "sections_toml",
+           "config_reference"]
 
 DTYPES = ("float32", "bfloat16", "float64")
 DATA_SOURCES = ("builtin", "text", "tokens")
@@ -355,4 +357,37 @@ def sections_toml(sections: dict) -> str:
         lines.append(f"[{section}]")
         lines += [f"{key} = {_toml_value(value)}" for key, value in values.items()]
         lines.append("")
+    return "\n".join(lines)
+
+
+def _field_comments(cls) -> dict[str, str]:
+    """{field: its trailing `# comment`} from the dataclass source (the one place keys are
+    described), or {} when the source is not available."""
+    import inspect
+    try:
+        lines = inspect.getsource(cls).splitlines()
+    except (OSError, TypeError):
+        return {}
+    comments = {}
+    for line in lines:
+        match = re.match(r"^\s{4}(\w+)\s*:[^#]*#\s*(.+)$", line)
+        if match:
+            comments[match.group(1)] = match.group(2).strip()
+    return comments
+
+
+def config_reference() -> str:
+    """Every section and key with its default and meaning: `moepar train --help` prints this."""
+    hints = typing.get_type_hints(RunConfig)
+    lines = []
+    for section in dataclasses.fields(RunConfig):
+        cls = hints[section.name]
+        lines.append(f"  [{section.name}]")
+        comments = _field_comments(cls)
+        for f in dataclasses.fields(cls):
+            default = f.default if f.default is not dataclasses.MISSING else f.default_factory()
+            text = f"    {section.name}.{f.name} = {_toml_value(default)}"
+            if f.name in comments:
+                text = f"{text:<52} # {comments[f.name]}"
+            lines.append(text)
     return "\n".join(lines)

@@ -8,7 +8,7 @@ import torch
 import torch.distributed as dist
 
 from configs import tiny_config
-from moepar.bench_memory import formula, measure
+from moepar.bench.memory import formula, measure
 from moepar.data import WindowSampler
 from moepar.metrics import StepStats
 from moepar.parallel import comm

@@ -23,7 +23,7 @@ from moepar.layers import FeedForward, MoE
 from moepar.parallel.dims import ParallelDims
 from moepar.parallel.expert import apply_ep
 
-__all__ = ["worker_main"]
+__all__ = ["worker_main", "print_dispatch"]
 
 
 class _Meter:
@@ -159,9 +159,21 @@ def worker_main(args, dtype) -> dict:
             return bench_dispatch(args, dtype)
         return bench_moe_layer_ep(args, dtype)
     finally:
-        from moepar.cli import end_process_group
+        from moepar.launch import end_process_group
         end_process_group(clean=sys.exc_info()[0] is None)
 
 
 def launched() -> bool:
     return "WORLD_SIZE" in os.environ
+
+
+def print_dispatch(result: dict):
+    print(f"dispatch ep={result['ep']} T={result['tokens_per_rank']}/rank D={result['dim']} "
+          f"E={result['experts']} k={result['top_k']} {result['dtype']}; minimum "
+          f"{result['min_bytes_per_token']:.0f} bytes/token (k*D*bytes*(ep-1)/ep, both ways)")
+    print(f"  {'dispatcher':16s} {'ms':>8s} {'bytes/token':>12s} {'vs min':>7s} {'incl. ids':>10s} "
+          f"{'comm share':>10s}")
+    for name, c in result["cases"].items():
+        share = "-" if c["comm_share"] is None else f"{100 * c['comm_share']:.0f}%"
+        print(f"  {name:16s} {c['ms']:8.1f} {c['bytes_per_token_hidden']:12.0f} {c['vs_minimum']:7.3f} "
+              f"{c['bytes_per_token_all']:10.0f} {share:>10s}")

@@ -126,7 +126,7 @@ def worker_main(args) -> dict:
                 "dense_params": first.get("dense_params"),
                 "expert_params_per_rank": first.get("expert_params_per_rank"), "ranks": ranks}
     finally:
-        from moepar.cli import end_process_group
+        from moepar.launch import end_process_group
         end_process_group(clean=sys.exc_info()[0] is None)
 
 

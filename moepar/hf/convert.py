@@ -1,5 +1,5 @@
 """Hugging Face checkpoints in and out: Mixtral, Qwen2-MoE, Qwen3-MoE, OLMoE, DeepSeek-V3
-(config fields and tensor names in hf_arch.py).
+(config fields and tensor names in arch.py).
 
     moepar convert --from hf SRC_DIR --to moepar DST_DIR
     moepar convert --from moepar SRC_DIR --to hf DST_DIR [--arch NAME]
@@ -24,7 +24,7 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 from moepar.config import sections_toml
-from moepar.hf_arch import (ARCHS, ConversionError, arch_by_name, canonical_to_hf,
+from moepar.hf.arch import (ARCHS, ConversionError, arch_by_name, canonical_to_hf,
                             expected_canonical, hf_config_dict, hf_to_canonical, read_hf_config,
                             rope_interleaved)
 from moepar.layers.model import ModelConfig

@@ -107,7 +107,7 @@ def worker_main(args) -> dict:
                 "ideal_bubble": ideal_bubble(args.pp, args.microbatches, virtual),
                 "ranks": ranks}
     finally:
-        from moepar.cli import end_process_group
+        from moepar.launch import end_process_group
         end_process_group(clean=sys.exc_info()[0] is None)
 
 

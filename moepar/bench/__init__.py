@@ -1,0 +1,137 @@
+"""`moepar bench WHAT [options]`: one module per benchmark; this file parses and dispatches.
+
+| benchmark  | module       | what it measures                                                    |
+|------------|--------------|---------------------------------------------------------------------|
+| moe-layer  | moe_layer.py | one MoE layer's forward + backward against dense floors (--ep N: EP) |
+| dispatch   | ep.py        | bytes on the wire and all-to-all time of each EP dispatcher          |
+| memory     | memory.py    | bytes per rank of parameters, gradients, optimizer state vs formula  |
+| pipeline   | pipeline.py  | measured bubble and activation memory per pipeline stage             |
+
+Benchmarks that need several processes start them with torch's launcher and re-run the same
+command line in each worker; rank 0 prints.
+"""
+
+import argparse
+import json
+import os
+
+__all__ = ["main", "build_parser"]
+
+
+def _layer_options(p):
+    p.add_argument("--tokens", type=int, default=4096, help="tokens (per rank under --ep)")
+    p.add_argument("--dim", type=int, default=512, help="model dim")
+    p.add_argument("--ffn-dim", type=int, default=1024, help="hidden dim of each expert")
+    p.add_argument("--experts", type=int, default=8, help="routed experts")
+    p.add_argument("--top-k", type=int, default=2, help="experts per token")
+    p.add_argument("--dtype", choices=["float32", "bfloat16", "float64"], default="float32")
+
+
+def _timing_options(p):
+    p.add_argument("--repeats", type=int, default=11, help="timed repeats (medians reported)")
+    p.add_argument("--warmup", type=int, default=2, help="untimed repeats first")
+    p.add_argument("--json", action="store_true", help="print one JSON object")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="moepar bench", description=__doc__.split("\n\n")[0])
+    sub = parser.add_subparsers(dest="what", metavar="WHAT", required=True)
+    p = sub.add_parser("moe-layer", help="MoE layer vs its dense floors",
+                       description="Forward + backward of one MoE layer (dropless top-k) against "
+                                   "dense floors and a naive per-expert loop, alternately.")
+    _layer_options(p)
+    p.add_argument("--ep", type=int, default=1, help="expert-parallel processes (local, gloo)")
+    _timing_options(p)
+    p = sub.add_parser("dispatch", help="bytes on the wire per EP dispatcher",
+                       description="Each dispatcher over --ep local processes: bytes per token "
+                                   "against the minimum, and the all-to-all share of the time.")
+    _layer_options(p)
+    p.add_argument("--ep", type=int, required=True, help="expert-parallel processes (>= 2)")
+    _timing_options(p)
+    p = sub.add_parser("memory", help="bytes per rank against the ZeRO formula",
+                       description="Builds a model, trains one step on dp*tp local processes and "
+                                   "counts each rank's bytes against the formula.")
+    p.add_argument("--zero", type=int, choices=[0, 1, 2, 3], default=0, help="ZeRO stage")
+    p.add_argument("--dp", type=int, default=1, help="data-parallel processes (local, gloo)")
+    p.add_argument("--tp", type=int, default=1, help="tensor-parallel processes per dp rank")
+    p.add_argument("--ep", type=int, default=1, help="expert-parallel degree")
+    p.add_argument("--dim", type=int, default=512, help="model dim")
+    p.add_argument("--layers", type=int, default=4, help="decoder layers")
+    p.add_argument("--heads", type=int, default=8, help="attention heads")
+    p.add_argument("--kv-heads", type=int, default=0, help="key/value heads (0: --heads)")
+    p.add_argument("--experts", type=int, default=8, help="routed experts")
+    p.add_argument("--micro-batch", type=int, default=1, help="sequences per micro-batch")
+    p.add_argument("--json", action="store_true", help="print one JSON object")
+    p = sub.add_parser("pipeline", help="measured bubble and activation memory per stage",
+                       description="Trains a few steps on --pp local processes and reports per "
+                                   "stage the measured bubble and peak saved activations.")
+    p.add_argument("--pp", type=int, default=2, help="pipeline processes (local, gloo)")
+    p.add_argument("--microbatches", type=int, default=8, help="micro-batches per step")
+    p.add_argument("--schedule", choices=["1f1b", "gpipe", "interleaved_1f1b"], default="1f1b")
+    p.add_argument("--virtual", type=int, default=2, help="chunks per rank (interleaved only)")
+    p.add_argument("--seq", type=int, default=128, help="sequence length")
+    p.add_argument("--dim", type=int, default=256, help="model dim")
+    p.add_argument("--layers", type=int, default=4, help="decoder layers")
+    p.add_argument("--heads", type=int, default=8, help="attention heads")
+    p.add_argument("--experts", type=int, default=8, help="routed experts")
+    p.add_argument("--micro-batch", type=int, default=1, help="sequences per micro-batch")
+    p.add_argument("--repeats", type=int, default=5, help="timed steps")
+    p.add_argument("--warmup", type=int, default=2, help="untimed steps first")
+    p.add_argument("--json", action="store_true", help="print one JSON object")
+    return parser
+
+
+def _rank0() -> bool:
+    return int(os.environ.get("RANK", 0)) == 0
+
+
+def _launched() -> bool:
+    return "WORLD_SIZE" in os.environ
+
+
+def _relaunch(nproc: int, argv: list[str]) -> int:
+    from moepar.launch import launch
+    return launch(nproc, ["bench", *argv])
+
+
+def main(argv: list[str]) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if args.what == "pipeline":
+        from moepar.bench import pipeline
+        if not _launched():
+            return _relaunch(args.pp, argv)
+        result = pipeline.worker_main(args)
+        if _rank0():
+            print(json.dumps(result), flush=True) if args.json else pipeline.print_result(result)
+        return 0
+    if args.what == "memory":
+        from moepar.bench import memory
+        if args.dp * args.tp > 1 and not _launched():
+            return _relaunch(args.dp * args.tp, argv)
+        result = memory.worker_main(args)
+        if _rank0():
+            print(json.dumps(result), flush=True) if args.json else memory.print_result(result)
+        return 0
+    from moepar.bench.moe_layer import DTYPES, bench_moe_layer, print_layer
+    if args.what == "dispatch" and args.ep < 2:
+        parser.error("dispatch needs --ep >= 2")
+    if args.ep > 1 or args.what == "dispatch":
+        from moepar.bench import ep
+        if args.experts % args.ep:
+            parser.error(f"--experts {args.experts} must be divisible by --ep {args.ep}")
+        if not _launched():
+            return _relaunch(args.ep, argv)
+        result = ep.worker_main(args, DTYPES[args.dtype])
+        if _rank0():
+            if args.json:
+                print(json.dumps(result), flush=True)
+            elif args.what == "dispatch":
+                ep.print_dispatch(result)
+            else:
+                print_layer(result, args)
+        return 0
+    result = bench_moe_layer(args.tokens, args.dim, args.ffn_dim, args.experts, args.top_k,
+                             args.dtype, args.repeats, args.warmup)
+    print(json.dumps(result)) if args.json else print_layer(result, args)
+    return 0
