@@ -10,6 +10,7 @@ through SDPA. A layer is MoE when its index i >= first_k_dense and (i - first_k_
 
 from dataclasses import dataclass, field
 
+import torch
 import torch.nn.functional as F
 from torch import nn
 
@@ -191,8 +192,11 @@ class Transformer(nn.Module):
     weight the caller gives each micro-batch's loss, e.g. 1/num_micro_batches).
     """
 
-    def __init__(self, cfg: ModelConfig, router: RouterConfig | None = None):
+    def __init__(self, cfg: ModelConfig, router: RouterConfig | None = None,
+                 seed: int | None = None):
         super().__init__()
+        if seed is None:   # torch.manual_seed(s) before building still fixes the weights
+            seed = int(torch.randint(0, 2 ** 62, ()))
         router = router or RouterConfig()
         router.check_experts(cfg.num_experts, cfg.top_k)
         self.cfg = cfg
@@ -204,10 +208,21 @@ class Transformer(nn.Module):
         if not cfg.tie_embeddings:
             self.head = nn.Linear(cfg.dim, cfg.vocab_size, bias=False)
             nn.init.normal_(self.head.weight, std=cfg.init_std)
-        # float64 tables: exact for float64 models; `.to(dtype)` rounds them once for others.
-        cos, sin = rotary_tables(cfg.max_seq_len, cfg.rope_dim, cfg.rope_theta)
+        cos, sin = self.rotary_buffers(cfg)
         self.register_buffer("rope_cos", cos, persistent=False)
         self.register_buffer("rope_sin", sin, persistent=False)
+        # Built on the meta device (a sharded run), each rank draws its own shards later;
+        # otherwise draw now, with the same layout-free values (layers/init.py).
+        if self.embed.weight.device.type != "meta":
+            from .init import init_weights
+            init_weights(self, seed)
+
+    @staticmethod
+    def rotary_buffers(cfg: ModelConfig):
+        """(cos, sin) [max_seq_len, rope dim] in float64 on the host: exact for float64 models;
+        `.to(dtype)` rounds them once for others."""
+        return rotary_tables(cfg.max_seq_len, cfg.rope_dim, cfg.rope_theta,
+                             device=torch.device("cpu"))
 
     def moe_layers(self) -> list[MoE]:
         return [block.ffn for block in self.layers if block.is_moe]

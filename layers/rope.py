@@ -25,10 +25,11 @@ class RMSNorm(nn.Module):
         return F.rms_norm(x, (x.shape[-1],), weight, self.eps)
 
 
-def rotary_tables(seq_len: int, head_dim: int, theta: float, dtype=torch.float64):
+def rotary_tables(seq_len: int, head_dim: int, theta: float, dtype=torch.float64, device=None):
     """cos, sin of shape [S, Hd] for the rotate-half convention (frequencies repeated twice)."""
-    inv_freq = 1.0 / theta ** (torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim)
-    angles_SF = torch.outer(torch.arange(seq_len, dtype=torch.float64), inv_freq)
+    arange = lambda *a: torch.arange(*a, dtype=torch.float64, device=device)  # noqa: E731
+    inv_freq = 1.0 / theta ** (arange(0, head_dim, 2) / head_dim)
+    angles_SF = torch.outer(arange(seq_len), inv_freq)
     angles_SHd = torch.cat([angles_SF, angles_SF], dim=-1)
     return angles_SHd.cos().to(dtype), angles_SHd.sin().to(dtype)
 

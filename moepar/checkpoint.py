@@ -1,46 +1,48 @@
-"""Checkpoints: layout-free safetensors shards written by their owners, JSON for the rest,
-committed by an atomic rename.
+"""Checkpoints: every rank writes the boxes of canonical tensors it owns, never gathering; any
+layout reads back just the boxes it needs; committed by an atomic rename written last.
 
-    checkpoints/step_N/model-r<rank>.safetensors      tensors this rank owns, canonical names
-    checkpoints/step_N/optimizer-r<rank>.safetensors  AdamW state: "<kind>/<canonical name>"
-    checkpoints/step_N/rng-r<rank>.safetensors        that rank's torch RNG state
-    checkpoints/step_N/index.json                     canonical name -> file
+    checkpoints/step_N/model-r<rank>.safetensors      boxes of canonical tensors this rank owns
+    checkpoints/step_N/optimizer-r<rank>.safetensors  AdamW moments "<kind>/<canonical>", and
+                                                      step counts "step/<canonical>"
+    checkpoints/step_N/rng-r<rank>.safetensors        that rank's RNG states
+    checkpoints/step_N/index.json                     canonical name -> shape, dtype, pieces
     checkpoints/step_N/state.json                     step, data position, resolved config
-    checkpoints/step_N/manifest.json                  SHA-256 of every file above; written last
+    checkpoints/step_N/manifest.json                  per file: size, SHA-256, block hashes
 
-Canonical names are the model's parameter names, except that stacked experts are split by global
-expert id: `layers.1.ffn.experts.w_in_EDH` [E_local, D, H] on a rank holding experts 4..7 is
-written as `layers.1.ffn.experts.4.w_in` ... `.7.w_in`. So a checkpoint does not depend on the
-layout that wrote it, and any layout can load it. Dense tensors are written by rank 0, experts by
-the ranks with edp rank 0 (one replica each).
-
-Every rank writes into `.step_N.tmp`; after a barrier rank 0 writes the index and the manifest
-and renames the directory to `step_N`: a crash leaves only a temporary directory, which is never
-loaded. Loading verifies the manifest on rank 0 first and every rank raises the same error.
-No pickle anywhere.
+Canonical names are layout-free (layers/init.py): parameter names, with stacked experts split
+by global expert id (`layers.1.ffn.experts.5.w_in`). A piece is a box (offsets, sizes) of one
+canonical tensor stored under its own key (`name` when whole, `name@o0,o1` otherwise); the
+index lists each tensor's pieces. Where a rank's tensor sits in the canonical ones is the
+handle's map (parallel/shards.py), so:
+- save: each rank streams the boxes it owns, one at a time, into its own file, hashing as it
+  writes (replicas write once: parallel/handle.py decides); rank 0 gathers only the index
+  entries and hashes, checks that the pieces tile every tensor, writes index, state and the
+  manifest last, and renames `.step_N.tmp` to `step_N`;
+- load: each rank intersects its boxes with the stored pieces, checks the headers and the
+  hashed blocks those reads touch (and every small file), agrees with all ranks, and only then
+  copies the intersections in: all ranks load, or all raise the same CheckpointError.
+Host memory holds one box (or one stored piece's intersection) at a time. No pickle anywhere.
 """
 
-import hashlib
 import json
+import math
 import os
 import re
 import shutil
 
 import torch
 import torch.distributed as dist
-from safetensors import safe_open
-from safetensors.torch import save_file
 
-from moepar.layers.experts import GroupedExperts
-from moepar.parallel.tensor import full_tensor as tp_full_tensor
-from moepar.parallel.tensor import local_shard
-from moepar.parallel.zero import copy_full_into, full_tensor, shard_like
+from moepar.parallel.shards import local_view
+from moepar.tensorfile import (DTYPES, TensorFileError, box_bytes, check_blocks, dtype_name,
+                               file_digest, read_box, read_header, write_tensors)
 
 __all__ = ["save_checkpoint", "load_checkpoint", "latest_checkpoint", "complete_steps",
            "verify_checkpoint", "commit", "recover_interrupted", "checkpoint_step",
-           "CheckpointError", "Owner", "canonical_items"]
+           "CheckpointError", "read_canonical", "canonical_names"]
 
 MANIFEST, INDEX, STATE = "manifest.json", "index.json", "state.json"
+FORMAT = 2
 _STEP_DIR = re.compile(r"^step_(\d+)$")
 
 
@@ -48,211 +50,206 @@ class CheckpointError(ValueError):
     """A checkpoint that is missing, incomplete, corrupt or does not fit the model."""
 
 
-class Owner:
-    """Which canonical tensors this rank writes: dense ones on rank 0 (one rank per pipeline
-    stage), experts where edp == 0. Every canonical tensor has exactly one writer."""
+# ---- ranks ------------------------------------------------------------------------------------
 
-    def __init__(self, rank: int = 0, world_size: int = 1, writes_experts: bool = True,
-                 writes_dense: bool | None = None, tp_group=None):
-        self.rank, self.world_size, self.writes_experts = rank, world_size, writes_experts
-        self.writes_dense = rank == 0 if writes_dense is None else writes_dense
-        # Tensor-parallel shards: parameter name -> TPShard (gathered to whole tensors on save,
-        # sliced on load; every tp rank takes part, in the same order).
-        self.tp_group, self.tp_specs = tp_group, {}
-
-    def whole(self, name: str, t: torch.Tensor) -> torch.Tensor:
-        """The layout-free tensor for parameter `name` (ZeRO-3 and tp shards gathered)."""
-        t = full_tensor(t)
-        spec = self.tp_specs.get(name)
-        return t if spec is None or t.dim() == 0 else tp_full_tensor(t, spec, self.tp_group)
-
-    def mine(self, name: str, t: torch.Tensor) -> torch.Tensor:
-        """This tp rank's slice of the whole tensor `t` for parameter `name`."""
-        spec = self.tp_specs.get(name)
-        if spec is None or t.dim() == 0:
-            return t
-        return local_shard(t, spec, dist.get_rank(self.tp_group))
-
-    def barrier(self):
-        if self.world_size > 1:
-            dist.barrier()
-
-    def gather(self, obj):
-        if self.world_size == 1:
-            return [obj]
-        out = [None] * self.world_size
-        dist.all_gather_object(out, obj)
-        return out
-
-    def broadcast(self, obj):
-        if self.world_size == 1:
-            return obj
-        box = [obj]
-        dist.broadcast_object_list(box, src=0)
-        return box[0]
+def _world(layout) -> int:
+    return layout.dims.world_size if layout.meshes is not None else 1
 
 
-# ---- canonical names -------------------------------------------------------------------------
-
-def _expert_modules(model) -> dict[str, GroupedExperts]:
-    return {name: m for name, m in model.named_modules() if isinstance(m, GroupedExperts)}
-
-
-def _split_name(name: str, experts: dict):
-    """('layers.1.ffn.experts', module, 'w_in') for an expert stack, else None."""
-    owner, _, leaf = name.rpartition(".")
-    if owner in experts:
-        return owner, experts[owner], leaf.rsplit("_", 1)[0]
-    return None
+def _barrier(layout):
+    if _world(layout) > 1:
+        dist.barrier()
 
 
-def canonical_items(model, named: dict[str, torch.Tensor], owner: Owner, per_param_scalar=False):
-    """Yields (canonical name, tensor) this rank writes for tensors keyed by parameter name."""
-    experts = _expert_modules(model)
-    for name, tensor in named.items():
-        split = _split_name(name, experts)
-        if split is None:
-            if owner.writes_dense:
-                yield name, tensor
-            continue
-        if not owner.writes_experts:
-            continue
-        prefix, module, short = split
-        for local in range(module.num_experts):
-            value = tensor if (per_param_scalar and tensor.dim() == 0) else tensor[local]
-            yield f"{prefix}.{module.expert_offset + local}.{short}", value
+def _gather_to_first(layout, obj) -> list | None:
+    """Every rank's obj on rank 0 (None elsewhere)."""
+    if _world(layout) == 1:
+        return [obj]
+    out = [None] * _world(layout) if layout.rank == 0 else None
+    dist.gather_object(obj, out, dst=0)
+    return out
 
 
-def _wanted(model, name: str, reader) -> torch.Tensor:
-    """The tensor for parameter/buffer `name` of this rank's model, assembled from canonical ones."""
-    experts = _expert_modules(model)
-    split = _split_name(name, experts)
-    if split is None:
-        return reader(name)
-    prefix, module, short = split
-    return torch.stack([reader(f"{prefix}.{module.expert_offset + i}.{short}")
-                        for i in range(module.num_experts)])
+def _everyone(layout, obj) -> list:
+    if _world(layout) == 1:
+        return [obj]
+    out = [None] * _world(layout)
+    dist.all_gather_object(out, obj)
+    return out
+
+
+def _broadcast(layout, obj):
+    if _world(layout) == 1:
+        return obj
+    box = [obj]
+    dist.broadcast_object_list(box, src=0)
+    return box[0]
 
 
 # ---- save -------------------------------------------------------------------------------------
 
-def _sha256(path: str) -> str:
-    digest = hashlib.sha256()
-    with open(path, "rb") as f:
-        for chunk in iter(lambda: f.read(1 << 20), b""):
-            digest.update(chunk)
-    return digest.hexdigest()
+class _HostStaging:
+    """Device tensors to the host one at a time: through one reused pinned buffer and an async
+    copy on CUDA (no full-size host copy of anything), as they are on the CPU."""
+
+    def __init__(self):
+        self.pinned = None
+
+    def __call__(self, t: torch.Tensor) -> torch.Tensor:
+        t = t.detach()
+        if t.device.type != "cuda":
+            return t.contiguous()
+        nbytes = t.numel() * t.element_size()
+        if self.pinned is None or self.pinned.numel() < nbytes:
+            self.pinned = torch.empty(max(nbytes, 1), dtype=torch.uint8, pin_memory=True)
+        host = self.pinned[:nbytes].view(t.dtype).view(t.shape)
+        host.copy_(t, non_blocking=True)
+        torch.cuda.current_stream(t.device).synchronize()
+        return host
 
 
-def _fsync(path: str):
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
+def _key(name: str, seg, shape) -> str:
+    whole = not any(seg.canon.offsets) and tuple(seg.canon.sizes) == tuple(shape)
+    return name if whole else f"{name}@{','.join(map(str, seg.canon.offsets))}"
 
 
-def _own(t: torch.Tensor, seen: set) -> torch.Tensor:
-    """A CPU tensor with storage of its own (per-expert slices and shared scalars are views)."""
-    t = t.detach().cpu().contiguous()
-    if t.untyped_storage().nbytes() != t.nbytes or t.data_ptr() in seen:
-        t = t.clone()
-    seen.add(t.data_ptr())
-    return t
+def _plan_writes(shards, canonical, file: str, stage, prefix=lambda lt: ""):
+    """(safetensors entries, {canonical key: [piece]}) for the segments this rank writes."""
+    entries, pieces = [], {}
+    for lt in shards:
+        for seg in lt.segments:
+            if not seg.writes:
+                continue
+            name = prefix(lt) + seg.name
+            key = _key(name, seg, canonical[seg.name].shape)
+            entries.append((key, lt.tensor.dtype, tuple(seg.canon.sizes),
+                            lambda lt=lt, seg=seg: stage(local_view(lt.tensor, seg))))
+            pieces.setdefault(name, []).append({"file": file, "key": key,
+                                                "offsets": list(seg.canon.offsets),
+                                                "sizes": list(seg.canon.sizes)})
+    return entries, pieces
 
 
-def _save(tensors: dict, path: str) -> list[str]:
-    if not tensors:
-        return []
-    seen: set = set()
-    save_file({k: _own(v, seen) for k, v in tensors.items()}, path)
-    _fsync(path)
-    return list(tensors)
+def _rng_state() -> dict:
+    state = {"torch_cpu": torch.get_rng_state()}
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        state["torch_cuda"] = torch.cuda.get_rng_state()
+    return state
 
 
-def _model_state(model, owner) -> dict[str, torch.Tensor]:
-    """Parameter/buffer name -> whole tensor (ZeRO-3 and tp shards gathered: collectives, in
-    order)."""
-    return {name: owner.whole(name, t) for name, t in model.state_dict().items()}
-
-
-def _optimizer_state(model, optimizer, owner) -> dict[str, torch.Tensor]:
-    """'<kind>/<param name>' -> whole tensor, scalars (step) as 0-d tensors.
-
-    A ZeRO-1/2 optimizer gathers its shards into whole parameters (`param_state`); ZeRO-3 state
-    is DTensors, gathered one by one in parameter order (the same order on every rank).
-    """
-    per_param = (optimizer.param_state() if hasattr(optimizer, "param_state")
-                 else optimizer.state)
-    out = {}
-    for name, p in model.named_parameters():
-        for kind, value in sorted(per_param.get(p, {}).items()):
-            value = owner.whole(name, value) if torch.is_tensor(value) else torch.tensor(value)
-            out[f"{kind}/{name}"] = value
-    return out
-
-
-def save_checkpoint(ckpt_root: str, step: int, model, optimizer, state: dict, keep: int = 0,
-                    owner: Owner | None = None) -> str:
-    """Writes checkpoints/step_<step> atomically (collective when owner.world_size > 1)."""
-    owner = owner or Owner()
+def save_checkpoint(ckpt_root: str, step: int, engine, state: dict, keep: int = 0) -> str:
+    """Writes checkpoints/step_<step> atomically (a collective: every rank calls it)."""
+    layout = engine.layout
+    rank, world = layout.rank, _world(layout)
     final = os.path.join(ckpt_root, f"step_{step}")
     tmp = os.path.join(ckpt_root, f".step_{step}.tmp")
-    if owner.rank == 0:
+    if rank == 0:
         shutil.rmtree(tmp, ignore_errors=True)
         os.makedirs(tmp)
-    owner.barrier()
-    tag = f"r{owner.rank:05d}"
-    model_file, optim_file = f"model-{tag}.safetensors", f"optimizer-{tag}.safetensors"
-    written = {"model": {}, "optimizer": {}}
-    names = _save(dict(canonical_items(model, _model_state(model, owner), owner)),
-                  os.path.join(tmp, model_file))
-    written["model"].update({n: model_file for n in names})
-    optim = {}
-    for key, value in _optimizer_state(model, optimizer, owner).items():
-        kind, name = key.split("/", 1)
-        for canonical, tensor in canonical_items(model, {name: value}, owner, per_param_scalar=True):
-            optim[f"{kind}/{canonical}"] = tensor
-    names = _save(optim, os.path.join(tmp, optim_file))
-    written["optimizer"].update({n: optim_file for n in names})
-    _save({"torch_cpu": torch.get_rng_state()}, os.path.join(tmp, f"rng-{tag}.safetensors"))
-    # Each rank hashes what it wrote (in parallel); rank 0 only adds its JSON files.
-    mine = [f for f in (model_file, optim_file, f"rng-{tag}.safetensors")
-            if os.path.isfile(os.path.join(tmp, f))]
-    written["hashes"] = {f: _sha256(os.path.join(tmp, f)) for f in mine}
-    written["expected"] = sorted(_canonical_names(model))   # a pipeline stage knows its own
-    everyone = owner.gather(written)
+    _barrier(layout)
+    tag, stage = f"r{rank:05d}", _HostStaging()
+    canonical = engine.canonical
+    written = {"files": {}, "model": {}, "optimizer": {}}
+    model_file, optim_file, rng_file = (f"{kind}-{tag}.safetensors"
+                                        for kind in ("model", "optimizer", "rng"))
+    entries, written["model"] = _plan_writes(engine.model_shards(), canonical, model_file, stage)
+    if entries:
+        written["files"][model_file] = write_tensors(os.path.join(tmp, model_file), entries)
+    moments, steps = engine.optimizer_shards()
+    entries, written["optimizer"] = _plan_writes(
+        moments, canonical, optim_file, stage, prefix=lambda lt: lt.name.split("/", 1)[0] + "/")
+    for lt in moments:       # one step count per canonical tensor, with the box at its origin
+        for seg in lt.segments:
+            if seg.writes and not any(seg.canon.offsets) and lt.name.startswith("exp_avg/"):
+                key = f"step/{seg.name}"
+                entries.append((key, torch.float32, (),
+                                lambda t=steps[lt.name]: t.detach().float().cpu().reshape(())))
+                written["optimizer"][key] = [{"file": optim_file, "key": key, "offsets": [],
+                                              "sizes": []}]
+    if entries:
+        written["files"][optim_file] = write_tensors(os.path.join(tmp, optim_file), entries)
+    written["files"][rng_file] = write_tensors(
+        os.path.join(tmp, rng_file), [(k, v.dtype, tuple(v.shape), lambda v=v: v)
+                                      for k, v in _rng_state().items()])
+    everyone = _gather_to_first(layout, written)
     error = None
-    if owner.rank == 0:
-        index, hashes = {"model": {}, "optimizer": {}}, {}
+    if rank == 0:
+        index = {"format": FORMAT, "model": {}, "optimizer": {}}
+        hashes = {}
         for part in everyone:
-            hashes.update(part["hashes"])
-            for kind in index:
-                index[kind].update(part[kind])
-        expected = set().union(*(part["expected"] for part in everyone))
-        missing = sorted(expected - set(index["model"]))
-        if missing:   # a rank wrote less than its share: never commit an incomplete checkpoint
-            error = f"checkpoint step {step} would lack {len(missing)} tensor(s), e.g. {missing[:4]}"
-        else:
+            hashes.update(part["files"])
+            for section in ("model", "optimizer"):
+                for name, pieces in part[section].items():
+                    index[section].setdefault(name, []).extend(pieces)
+        error = _check_coverage(index, canonical, step)
+        if error is None:
+            index = _describe(index, canonical)
             for name, obj in ((INDEX, index), (STATE, state)):
                 with open(os.path.join(tmp, name), "w") as f:
                     json.dump(obj, f, indent=1, sort_keys=True)
-                _fsync(os.path.join(tmp, name))
-            commit(tmp, final, step, owner.world_size, known_hashes=hashes)
-        if keep and error is None:
-            # Keep this step and the newest keep-1 before it. Never touch later steps (another
-            # branch of the run, say after --run.resume_from) and never the one just written.
-            older = [s for s in complete_steps(ckpt_root) if s < step]
-            for old_step in older[:max(len(older) - (keep - 1), 0)]:
-                shutil.rmtree(os.path.join(ckpt_root, f"step_{old_step}"), ignore_errors=True)
-    error = owner.broadcast(error)
+            commit(tmp, final, step, world, known_hashes=hashes)
+            if keep:
+                # Keep this step and the newest keep-1 before it. Never touch later steps
+                # (another branch of the run) and never the one just written.
+                older = [s for s in complete_steps(ckpt_root) if s < step]
+                for old_step in older[:max(len(older) - (keep - 1), 0)]:
+                    shutil.rmtree(os.path.join(ckpt_root, f"step_{old_step}"), ignore_errors=True)
+    error = _broadcast(layout, error)
     if error:
         raise CheckpointError(error)
     return final
 
 
+def _volume_ok(pieces: list, shape) -> bool:
+    """The pieces tile a tensor of `shape`: inside it, pairwise disjoint, volumes summing up."""
+    boxes = [(p["offsets"], p["sizes"]) for p in pieces]
+    for offsets, sizes in boxes:
+        if len(offsets) != len(shape) or any(o < 0 or o + n > d for o, n, d in
+                                             zip(offsets, sizes, shape)):
+            return False
+    for i, (a_off, a_size) in enumerate(boxes):
+        for b_off, b_size in boxes[i + 1:]:
+            if all(max(ao, bo) < min(ao + an, bo + bn)
+                   for ao, an, bo, bn in zip(a_off, a_size, b_off, b_size)):
+                return False
+    return sum(math.prod(s) for _, s in boxes) == math.prod(shape)
+
+
+def _check_coverage(index: dict, canonical: dict, step: int) -> str | None:
+    """Why the gathered pieces are not a whole checkpoint, or None."""
+    missing = sorted(n for n in canonical if n not in index["model"])
+    if missing:   # a rank wrote less than its share: never commit an incomplete checkpoint
+        return f"checkpoint step {step} would lack {len(missing)} tensor(s), e.g. {missing[:4]}"
+    bad = [n for n, pieces in index["model"].items()
+           if n not in canonical or not _volume_ok(pieces, canonical[n].shape)]
+    if index["optimizer"]:
+        for kind in ("exp_avg", "exp_avg_sq"):
+            for n, t in canonical.items():
+                pieces = index["optimizer"].get(f"{kind}/{n}")
+                if t.trainable and (pieces is None or not _volume_ok(pieces, t.shape)):
+                    bad.append(f"{kind}/{n}")
+    if bad:
+        return (f"checkpoint step {step}: the pieces written do not tile {len(bad)} tensor(s) "
+                f"exactly, e.g. {bad[:4]}")
+    return None
+
+
+def _describe(index: dict, canonical: dict) -> dict:
+    """The index as written: each tensor's shape and dtype beside its pieces."""
+    out = {"format": FORMAT, "model": {}, "optimizer": {}}
+    for section in ("model", "optimizer"):
+        for name, pieces in sorted(index[section].items()):
+            base = name.split("/", 1)[1] if section == "optimizer" else name
+            shape = [] if name.startswith("step/") else list(canonical[base].shape)
+            dtype = torch.float32 if name.startswith("step/") else canonical[base].dtype
+            out[section][name] = {"shape": shape, "dtype": dtype_name(dtype),
+                                  "pieces": sorted(pieces, key=lambda p: p["offsets"])}
+    return out
+
+
 def commit(tmp: str, final: str, step: int, world_size: int = 1, known_hashes: dict | None = None):
-    """Writes tmp's manifest (SHA-256 of every file) last, then renames tmp to final atomically.
+    """Writes tmp's manifest (size, SHA-256 and block hashes of every file) last, then renames
+    tmp to final atomically.
 
     `known_hashes` are files other ranks wrote and hashed themselves (a shared filesystem may not
     list them here yet); the rest of tmp is hashed here. An existing `final` is moved aside only
@@ -261,11 +258,13 @@ def commit(tmp: str, final: str, step: int, world_size: int = 1, known_hashes: d
     files = dict(known_hashes or {})
     for name in sorted(os.listdir(tmp)):
         if name not in files:
-            files[name] = _sha256(os.path.join(tmp, name))
-    manifest = {"step": step, "world_size": world_size, "files": dict(sorted(files.items()))}
+            files[name] = file_digest(os.path.join(tmp, name))
+    manifest = {"format": FORMAT, "step": step, "world_size": world_size,
+                "files": dict(sorted(files.items()))}
     with open(os.path.join(tmp, MANIFEST), "w") as f:
         json.dump(manifest, f, indent=1, sort_keys=True)
-    _fsync(os.path.join(tmp, MANIFEST))
+        f.flush()
+        os.fsync(f.fileno())
     if os.path.exists(final):
         old = final + ".old"
         shutil.rmtree(old, ignore_errors=True)
@@ -274,10 +273,14 @@ def commit(tmp: str, final: str, step: int, world_size: int = 1, known_hashes: d
         shutil.rmtree(old, ignore_errors=True)
     else:
         os.rename(tmp, final)
-    _fsync(os.path.dirname(os.path.abspath(final)))
+    fd = os.open(os.path.dirname(os.path.abspath(final)), os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
 
 
-# ---- find, verify, load ------------------------------------------------------------------------
+# ---- find -------------------------------------------------------------------------------------
 
 def complete_steps(ckpt_root: str) -> list[int]:
     """Steps with a committed directory holding a manifest, ascending."""
@@ -337,134 +340,254 @@ def latest_checkpoint(ckpt_root: str) -> str | None:
     return os.path.join(ckpt_root, f"step_{steps[-1]}") if steps else None
 
 
-def verify_checkpoint(path: str) -> dict:
-    """Checks the manifest and every file's SHA-256; returns {file: sha256} or raises CheckpointError."""
-    files = _read_manifest(path)
-    for name in files:
-        _verify_file(path, name, files)
-    return files
+# ---- read -------------------------------------------------------------------------------------
 
+class _Checkpoint:
+    """A committed checkpoint directory: manifest, index and state read and verified; stored
+    pieces found by canonical name; headers read (and checked) once per file."""
 
-class _Reader:
-    """Reads canonical tensors; verifies each file's SHA-256 against the manifest on first open."""
+    def __init__(self, path: str):
+        self.path = path
+        manifest_path = os.path.join(path, MANIFEST)
+        if not os.path.isfile(manifest_path):
+            raise CheckpointError(f"checkpoint {path!r} has no {MANIFEST}: it was never committed")
+        try:
+            with open(manifest_path) as f:
+                manifest = json.load(f)
+            self.files = dict(manifest["files"])
+            self.world_size = int(manifest.get("world_size", 0))
+        except (ValueError, KeyError, TypeError, OSError) as e:
+            raise CheckpointError(f"checkpoint {path!r}: {MANIFEST} is unreadable ({e})") from None
+        self.index = self._json(INDEX)
+        self.state = self._json(STATE)
+        if not isinstance(self.index, dict) or not isinstance(self.index.get("model"), dict):
+            raise CheckpointError(f"checkpoint {path!r}: {INDEX} has no 'model' section")
+        self.headers = {}
 
-    def __init__(self, path: str, index: dict, manifest_files: dict | None = None):
-        self.path, self.index, self.files, self.handles = path, index, manifest_files, {}
+    def _json(self, name: str):
+        self.verify(name)
+        try:
+            with open(os.path.join(self.path, name)) as f:
+                return json.load(f)
+        except ValueError as e:
+            raise CheckpointError(f"checkpoint {self.path!r}: {name} is not valid JSON ({e})") from None
 
-    def __call__(self, name: str) -> torch.Tensor:
-        if name not in self.index:
+    def verify(self, name: str, ranges=None):
+        if name not in self.files:
+            raise CheckpointError(f"checkpoint {self.path!r}: {name} is not listed in {MANIFEST}")
+        try:
+            check_blocks(os.path.join(self.path, name), self.files[name], ranges)
+        except TensorFileError as e:
+            raise CheckpointError(f"checkpoint {self.path!r}: {e}") from None
+
+    def header(self, file: str):
+        if file not in self.headers:
+            if file not in self.files or os.path.basename(file) != file:
+                raise CheckpointError(f"checkpoint {self.path!r}: {INDEX} names {file!r}, which "
+                                      f"is not a file of the checkpoint")
+            try:
+                self.headers[file] = read_header(os.path.join(self.path, file))
+            except TensorFileError as e:
+                raise CheckpointError(f"checkpoint {self.path!r}: {e}") from None
+        return self.headers[file]
+
+    def entry(self, section: str, name: str) -> tuple[list | None, list]:
+        """(shape or None, pieces [{file, key, offsets, sizes}]) of a stored tensor; format-1
+        indexes map a name to the file holding it whole."""
+        entry = self.index.get(section, {}).get(name)
+        if entry is None:
             raise CheckpointError(f"checkpoint {self.path!r} has no tensor {name!r}")
-        file = self.index[name]
-        if file not in self.handles:
-            if self.files is not None:
-                _verify_file(self.path, file, self.files)
-            self.handles[file] = safe_open(os.path.join(self.path, file), framework="pt")
-        return self.handles[file].get_tensor(name)
+        if isinstance(entry, str):
+            header, _ = self.header(entry)
+            if name not in header:
+                raise CheckpointError(f"checkpoint {self.path!r}: {entry} lacks {name!r}")
+            shape = header[name]["shape"]
+            return shape, [{"file": entry, "key": name, "offsets": [0] * len(shape),
+                            "sizes": shape}]
+        try:
+            return list(entry["shape"]), list(entry["pieces"])
+        except (KeyError, TypeError):
+            raise CheckpointError(f"checkpoint {self.path!r}: {INDEX} entry {name!r} is "
+                                  "malformed") from None
+
+    def stored(self, piece: dict, want_dtype: torch.dtype, name: str):
+        """(file, header entry, data start) of a piece, checked against its index entry."""
+        file, key = piece.get("file"), piece.get("key")
+        header, start = self.header(file)
+        if key not in header:
+            raise CheckpointError(f"checkpoint {self.path!r}: {file} lacks {key!r}")
+        entry = header[key]
+        if list(entry["shape"]) != list(piece.get("sizes", [])):
+            raise CheckpointError(f"checkpoint {self.path!r}: {key!r} in {file} has shape "
+                                  f"{entry['shape']}, the index says {piece.get('sizes')}")
+        stored_dtype = DTYPES[entry["dtype"]][0]
+        if stored_dtype.is_floating_point != want_dtype.is_floating_point:
+            raise CheckpointError(f"checkpoint {self.path!r}: {name} is stored as "
+                                  f"{entry['dtype']}, the model holds {want_dtype}")
+        return file, entry, start
 
 
-def _read_manifest(path: str) -> dict:
-    """The manifest's {file: sha256}, with index.json and state.json verified; CheckpointError else."""
-    manifest_path = os.path.join(path, MANIFEST)
-    if not os.path.isfile(manifest_path):
-        raise CheckpointError(f"checkpoint {path!r} has no {MANIFEST}: it was never committed")
+def _intersect(a_off, a_size, b_off, b_size):
+    lo = [max(x, y) for x, y in zip(a_off, b_off, strict=True)]
+    hi = [min(x + m, y + n) for x, m, y, n in zip(a_off, a_size, b_off, b_size, strict=True)]
+    if any(h <= l for l, h in zip(lo, hi)) and lo:
+        return None
+    return lo, [h - l for l, h in zip(lo, hi)]
+
+
+def _plan_reads(ckpt: _Checkpoint, section: str, shards, canonical, name_of):
+    """[(local tensor, segment, piece, file, header entry, data start, box)] to read, with every
+    stored piece checked: shape, dtype, and that the pieces cover each segment's box."""
+    reads = []
+    for lt in shards:
+        for seg in lt.segments:
+            name = name_of(lt, seg)
+            want_shape = list(canonical[seg.name].shape)
+            shape, pieces = ckpt.entry(section, name)
+            if shape is not None and list(shape) != want_shape:
+                raise CheckpointError(f"checkpoint {ckpt.path!r}: {name} has shape "
+                                      f"{tuple(shape)}, the model expects {tuple(want_shape)}")
+            covered = 0
+            for piece in pieces:
+                box = _intersect(seg.canon.offsets, seg.canon.sizes,
+                                 piece.get("offsets", []), piece.get("sizes", []))
+                if box is None:
+                    continue
+                file, entry, start = ckpt.stored(piece, lt.tensor.dtype, name)
+                covered += math.prod(box[1])
+                reads.append((lt, seg, piece, file, entry, start, box))
+            if covered != seg.canon.numel:
+                raise CheckpointError(f"checkpoint {ckpt.path!r}: the stored pieces of {name} "
+                                      f"do not cover the part this rank needs")
+    return reads
+
+
+def _check_reads(ckpt: _Checkpoint, reads):
+    """Verifies the hashed blocks that every planned read touches (and each header)."""
+    ranges: dict[str, list] = {}
+    for _, _, piece, file, entry, start, (lo, sizes) in reads:
+        rel = [o - p for o, p in zip(lo, piece["offsets"], strict=True)]
+        ranges.setdefault(file, [(0, start)]).append(box_bytes(entry, start, rel, sizes))
+    for file, spans in sorted(ranges.items()):
+        ckpt.verify(file, spans)
+
+
+def _apply_reads(ckpt: _Checkpoint, reads):
+    with torch.no_grad():
+        for lt, seg, piece, file, entry, start, (lo, sizes) in reads:
+            rel = [o - p for o, p in zip(lo, piece["offsets"], strict=True)]
+            data = read_box(os.path.join(ckpt.path, file), entry, start, rel, sizes)
+            dest = local_view(lt.tensor, seg)
+            for d, (o, s) in enumerate(zip(lo, seg.canon.offsets, strict=True)):
+                dest = dest.narrow(d, o - s, sizes[d])
+            dest.copy_(data, non_blocking=False)
+
+
+def _local_engine(model):
+    """A whole (unsharded) Transformer seen as a one-process handle, for loading into it."""
+    from moepar.layers.init import canonical_tensors
+    from moepar.parallel.dims import Layout, ParallelDims
+    from moepar.parallel.handle import ParallelModel
+    device = next(model.parameters()).device
+    layout = Layout(ParallelDims(1), 0, device, None)
+    return ParallelModel(model, layout, canonical_tensors(model),
+                         [b.layer_id for b in model.layers if b.is_moe], 0, None, 1,
+                         model.cfg.vocab_size)
+
+
+def load_checkpoint(path: str, target, optimizer: bool = False, restore_rng: bool = True) -> dict:
+    """Restores the model (and AdamW state, RNG) of `target` (a ParallelModel, or a whole
+    Transformer) in place after verifying; returns state.json's dict.
+
+    Every rank reads and verifies only what its shards need; all verdicts are gathered before
+    anything changes, so either all ranks load or all raise the same CheckpointError."""
+    engine = target if hasattr(target, "model_shards") else _local_engine(target)
+    layout, canonical = engine.layout, engine.canonical
+    error = state = ckpt = None
+    model_reads, optim_reads, steps = [], [], {}
     try:
-        with open(manifest_path) as f:
-            files = dict(json.load(f)["files"])
-    except (ValueError, KeyError, TypeError, OSError) as e:
-        raise CheckpointError(f"checkpoint {path!r}: {MANIFEST} is unreadable ({e})") from None
-    for name in (INDEX, STATE):
-        _verify_file(path, name, files)
-    return files
-
-
-def _verify_file(path: str, name: str, files: dict):
-    if name not in files:
-        raise CheckpointError(f"checkpoint {path!r}: {name} is not listed in {MANIFEST}")
-    file = os.path.join(path, name)
-    if not os.path.isfile(file):
-        raise CheckpointError(f"checkpoint {path!r} is missing {name}")
-    if _sha256(file) != files[name]:
-        raise CheckpointError(f"checkpoint {path!r}: {name} does not match its SHA-256 in "
-                              f"{MANIFEST} (corrupt or modified)")
-
-
-def load_checkpoint(path: str, model, optimizer=None, owner: Owner | None = None) -> dict:
-    """Restores model (and optimizer, RNG) in place after verifying; returns state.json's dict.
-
-    Works for any layout: each rank reads (and verifies the hashes of) only the files holding the
-    canonical tensors its shard needs. Every rank's verdict is gathered before anything is
-    changed, so either all ranks load or all raise the same CheckpointError.
-    """
-    owner = owner or Owner()
-    error, loaded, optim, state = None, {}, {}, None
-    # Under pipelining each rank's model is one stage: the whole model is the union.
-    expected = set().union(*owner.gather(sorted(_canonical_names(model))))
-    try:
-        files = _read_manifest(path)
-        with open(os.path.join(path, INDEX)) as f:
-            index = json.load(f)
-        with open(os.path.join(path, STATE)) as f:
-            state = json.load(f)
-        read = _Reader(path, index["model"], files)
-        for name, target in model.state_dict().items():
-            value = owner.mine(name, _wanted(model, name, read))
-            if value.shape != target.shape:
-                raise CheckpointError(f"checkpoint {path!r}: {name} has shape "
-                                      f"{tuple(value.shape)}, the model expects {tuple(target.shape)}")
-            loaded[name] = value
-        extra = set(index["model"]) - expected
+        ckpt = _Checkpoint(path)
+        state = ckpt.state
+        extra = sorted(set(ckpt.index["model"]) - set(canonical))
         if extra:
-            raise CheckpointError(f"checkpoint {path!r} has tensors the model lacks: {sorted(extra)[:5]}")
-        if optimizer is not None:
-            optim = _read_optimizer(model, _Reader(path, index["optimizer"], files),
-                                    index["optimizer"], owner)
+            raise CheckpointError(f"checkpoint {path!r} has tensors the model lacks: {extra[:5]}")
+        model_reads = _plan_reads(ckpt, "model", engine.model_shards(), canonical,
+                                  lambda lt, seg: seg.name)
+        if optimizer:
+            moments, steps = engine.optimizer_shards(create=True)
+            optim_reads = _plan_reads(ckpt, "optimizer", moments, canonical,
+                                      lambda lt, seg: f"{lt.name.split('/', 1)[0]}/{seg.name}")
+            steps = {key: (t, _step_name(moments, key)) for key, t in steps.items()}
+        _check_reads(ckpt, model_reads + optim_reads)
+        rng = f"rng-r{layout.rank:05d}.safetensors"
+        restore_rng = restore_rng and ckpt.world_size == _world(layout) and rng in ckpt.files
+        if restore_rng:
+            ckpt.verify(rng)
     except CheckpointError as e:
         error = str(e)
-    errors = [e for e in owner.gather(error) if e]
+    errors = [e for e in _everyone(layout, error) if e]
     if errors:
         raise CheckpointError(errors[0])
-    with torch.no_grad():
-        for name, target in model.state_dict().items():
-            copy_full_into(target, loaded[name])
-    if optimizer is not None and hasattr(optimizer, "load_param_state"):
-        optimizer.load_param_state(optim)
-    else:
-        for param, kinds in optim.items():
-            optimizer.state[param].update({k: v if v.dim() == 0 else shard_like(v, param)
-                                           for k, v in kinds.items()})
-    rng = os.path.join(path, f"rng-r{owner.rank:05d}.safetensors")
-    if os.path.isfile(rng):
-        with safe_open(rng, framework="pt") as f:
-            torch.set_rng_state(f.get_tensor("torch_cpu"))
+    _apply_reads(ckpt, model_reads + optim_reads)
+    for tensor, name in steps.values():
+        tensor.fill_(_read_scalar(ckpt, name))
+    if restore_rng:
+        _restore_rng(os.path.join(path, rng))
     return state
 
 
-def _canonical_names(model) -> set[str]:
-    """Every canonical name a full model of this shape has (all experts, any layout)."""
-    experts = _expert_modules(model)
-    names = set()
-    for name, tensor in model.state_dict().items():
-        split = _split_name(name, experts)
-        if split is None:
-            names.add(name)
-        else:
-            prefix, module, short = split
-            names.update(f"{prefix}.{g}.{short}" for g in range(module.num_global_experts))
-    return names
+def _step_name(moments, key: str) -> str | None:
+    """The stored step count for optimizer tensor `key`: that of its first canonical tensor."""
+    lt = next(m for m in moments if m.name == key)
+    return f"step/{lt.segments[0].name}" if lt.segments else None
 
 
-def _read_optimizer(model, read, index, owner) -> dict:
-    """{param: {kind: tensor}} for this rank's parameters (applied only once all ranks agree)."""
-    kinds = sorted({key.split("/", 1)[0] for key in index})
-    out = {}
-    for name, param in model.named_parameters():
-        state = out.setdefault(param, {})
-        for kind in kinds:
-            if kind == "step":
-                # One step count per parameter; for experts, every expert's copy is the same.
-                step = _wanted(model, name, lambda n: read(f"step/{n}"))
-                state["step"] = step.flatten()[0].clone() if step.dim() else step
-            else:
-                whole = _wanted(model, name, lambda n, k=kind: read(f"{k}/{n}"))
-                state[kind] = owner.mine(name, whole).to(dtype=param.dtype, device=param.device)
-    return out
+def _read_scalar(ckpt: _Checkpoint, name: str | None) -> float:
+    if name is None:     # a shard holding only padding: any step count (they are all equal)
+        name = next(n for n in ckpt.index.get("optimizer", {}) if n.startswith("step/"))
+    _, pieces = ckpt.entry("optimizer", name)
+    file, entry, start = ckpt.stored(pieces[0], torch.float32, name)
+    ckpt.verify(file, [box_bytes(entry, start, [], [])])
+    return float(read_box(os.path.join(ckpt.path, file), entry, start, [], []))
+
+
+def _restore_rng(path: str):
+    header, start = read_header(path)
+    states = {k: read_box(path, e, start, [0], e["shape"]) for k, e in header.items()}
+    torch.set_rng_state(states["torch_cpu"])
+    if "torch_cuda" in states and torch.cuda.is_available():
+        torch.cuda.set_rng_state(states["torch_cuda"])
+
+
+def verify_checkpoint(path: str) -> dict:
+    """Checks the manifest and every file's hashes; returns the manifest's files or raises."""
+    ckpt = _Checkpoint(path)
+    for name in ckpt.files:
+        ckpt.verify(name)
+    return ckpt.files
+
+
+def canonical_names(path: str) -> list[str]:
+    """The model tensors a checkpoint holds (verified index)."""
+    return sorted(_Checkpoint(path).index["model"])
+
+
+def read_canonical(path: str, verify: bool = True):
+    """Yields (canonical name, whole tensor) for every model tensor, one tensor in memory at a
+    time, assembled from its pieces (for export); files verified first when `verify`."""
+    ckpt = _Checkpoint(path)
+    if verify:
+        for name in ckpt.files:
+            ckpt.verify(name)
+    for name in sorted(ckpt.index["model"]):
+        shape, pieces = ckpt.entry("model", name)
+        out = None
+        for piece in pieces:
+            file, entry, start = ckpt.stored(piece, torch.float32, name)
+            data = read_box(os.path.join(ckpt.path, file), entry, start, [0] * len(entry["shape"]),
+                            entry["shape"])
+            if out is None:
+                out = torch.empty(shape, dtype=data.dtype)
+            box = tuple(slice(o, o + n) for o, n in zip(piece["offsets"], piece["sizes"]))
+            out[box] = data
+        yield name, out

@@ -47,6 +47,7 @@ class ParallelConfig:
     pp_schedule: str = "1f1b"    # pipeline schedule: "1f1b", "interleaved_1f1b" or "gpipe"
     pp_virtual: int = 1          # model chunks per pipeline rank (> 1: interleaved_1f1b)
     pp_layers: list[int] = field(default_factory=list)   # layers per chunk; empty: balanced
+    timeout_s: float = 600.0     # seconds any collective may wait before the job fails
 
     def __post_init__(self):
         if self.dp < 0:
@@ -77,6 +78,7 @@ class ParallelConfig:
         if self.grad_reduce_dtype not in ("", "float32", "bfloat16"):
             raise ValueError(f"parallel.grad_reduce_dtype={self.grad_reduce_dtype!r} is not one of "
                              "'' (the parameters' dtype), 'float32', 'bfloat16'")
+        check_number("parallel.timeout_s", self.timeout_s, strict=True)
         if self.backend not in ("auto", "gloo", "nccl"):
             raise ValueError(f"parallel.backend={self.backend!r} is not one of 'auto', 'gloo', 'nccl'")
 

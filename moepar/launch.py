@@ -11,7 +11,8 @@ import argparse
 import os
 import sys
 
-__all__ = ["main", "launch", "end_process_group", "build_parser"]
+__all__ = ["main", "launch", "end_process_group", "build_parser", "select_device",
+           "device_index", "init_process_group"]
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -58,6 +59,61 @@ def launch(nproc: int, argv: list[str]) -> int:
         print(f"moepar: a worker failed:\n{e}", file=sys.stderr)
         return 1
     return 0
+
+
+def device_index(env, cuda_count: int) -> int:
+    """The CUDA device of this process (pure): LOCAL_RANK when the launcher sets it (torchrun),
+    else RANK modulo the devices on this node (launchers such as SLURM's srun set only RANK and
+    WORLD_SIZE; every rank taking cuda:0 would make NCCL fail with "Duplicate GPU detected")."""
+    if "LOCAL_RANK" in env:
+        index = int(env["LOCAL_RANK"])
+        if index >= cuda_count:
+            raise ValueError(f"LOCAL_RANK={index} but this node has {cuda_count} CUDA device(s): "
+                             "start at most that many processes per node")
+        return index
+    return int(env.get("RANK", 0)) % cuda_count
+
+
+def select_device(want: str, backend: str = "auto", env=None, cuda_count: int | None = None):
+    """The device for train.device (auto, cpu, cuda) on this process; refuses a backend that
+    cannot carry that device's tensors (before any process group exists)."""
+    import torch
+    env = os.environ if env is None else env
+    cuda_count = torch.cuda.device_count() if cuda_count is None else cuda_count
+    if want == "cpu" or (want == "auto" and cuda_count == 0):
+        device = torch.device("cpu")
+    elif cuda_count == 0:
+        raise ValueError("train.device='cuda' but CUDA is not available")
+    else:
+        device = torch.device("cuda", device_index(env, cuda_count))
+    if backend == "gloo" and device.type == "cuda":
+        raise ValueError(f"parallel.backend='gloo' with train.device={want!r} on a CUDA host "
+                         f"(device {device}): gloo's all-to-all carries CPU tensors only; use "
+                         "parallel.backend='nccl' (or auto), or train.device='cpu'")
+    if backend == "nccl" and device.type == "cpu":
+        raise ValueError(f"parallel.backend='nccl' with train.device={want!r} resolving to the "
+                         "CPU: NCCL needs CUDA tensors; use parallel.backend='gloo' (or auto)")
+    return device
+
+
+def init_process_group(parallel, device, world_size: int):
+    """Sets this process's CUDA device (always, also when a process group exists) and joins the
+    launcher's world when there is more than one rank, with `parallel.timeout_s` for every
+    collective and `device_id` so NCCL barriers and object collectives use the right GPU."""
+    import datetime
+
+    import torch
+    import torch.distributed as dist
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    if world_size == 1 or dist.is_initialized():
+        return
+    backend = parallel.backend if parallel.backend != "auto" else (
+        "nccl" if device.type == "cuda" else "gloo")
+    kwargs = {"timeout": datetime.timedelta(seconds=parallel.timeout_s)}
+    if device.type == "cuda":
+        kwargs["device_id"] = device
+    dist.init_process_group(backend, **kwargs)
 
 
 def end_process_group(clean: bool = True):

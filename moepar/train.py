@@ -1,5 +1,9 @@
-"""The training loop: micro-batches, gradient accumulation, reduction, clipping, AdamW, logging,
-checkpoints; one code path for 1 and N ranks.
+"""The training loop: micro-batches, gradient accumulation, clipping, AdamW, logging,
+checkpoints; one code path for 1 and N ranks and for every layout.
+
+The model is built on the meta device and handed to `moepar.parallel.parallelize`, which shards
+it, materializes this rank's shards on its device and returns the handle (`ParallelModel`) that
+runs each step: the trainer never branches on the layout.
 
 One optimizer step = `train.global_batch_size / train.micro_batch_size` micro-batches, split over
 the dp ranks (each rank takes a contiguous block). Each micro-batch is one capacity group, so
@@ -8,7 +12,6 @@ drops do not depend on the layout. A rank weights its micro-batches' mean cross-
 then gives the mean over all micro-batches, as on one process.
 """
 
-import contextlib
 import dataclasses
 import math
 import os
@@ -16,20 +19,16 @@ import shutil
 import time
 
 import torch
-import torch.distributed as dist
 
-from moepar.checkpoint import (Owner, checkpoint_step, complete_steps, latest_checkpoint,
+from moepar.checkpoint import (checkpoint_step, complete_steps, latest_checkpoint,
                                load_checkpoint, recover_interrupted, save_checkpoint)
 from moepar.config import RunConfig, to_dict, to_toml
 from moepar.data import WindowSampler, check_token_range, load_tokens
-from moepar.layers import TopKRouter, Transformer
+from moepar.launch import init_process_group, select_device
+from moepar.layers import Transformer
 from moepar.metrics import MetricsWriter, StepStats
-from moepar.parallel import ParallelDims, data_parallel, parallelize
-from moepar.parallel.data import clip_grad_norm, grad_norm_groups
-from moepar.parallel.tensor import (reduce_sequence_parallel_grads, tp_norm_parameters,
-                                    tp_shard_spec)
-from moepar.parallel.vocab import vocab_parallel_cross_entropy
-from moepar.parallel.schedules import PipelineRunner, check_schedule, default_loss
+from moepar.parallel import Options, ParallelDims, parallelize
+from moepar.parallel.schedules import check_schedule
 
 __all__ = ["Trainer", "lr_at", "NonFiniteError", "build_dims"]
 
@@ -50,16 +49,16 @@ def lr_at(step: int, cfg) -> float:
     return floor + (cfg.lr - floor) * 0.5 * (1 + math.cos(math.pi * progress))
 
 
-def adamw_factory(cfg):
-    """make_adamw(decay, no_decay): AdamW with weight decay on matrices (and expert stacks) only."""
-    return lambda decay, no_decay: _adamw(decay, no_decay, cfg)
-
-
-def _adamw(decay, no_decay, cfg):
-    groups = [{"params": decay, "weight_decay": cfg.weight_decay},
-              {"params": no_decay, "weight_decay": 0.0}]
-    return torch.optim.AdamW(groups, lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), eps=cfg.eps,
-                             foreach=True)
+def adamw_factory(cfg, fused: bool = False):
+    """make_adamw(decay, no_decay): AdamW with weight decay on matrices (and expert stacks) only;
+    the fused kernel on CUDA."""
+    def make(decay, no_decay):
+        groups = [{"params": decay, "weight_decay": cfg.weight_decay},
+                  {"params": no_decay, "weight_decay": 0.0}]
+        kind = {"fused": True} if fused else {"foreach": True}
+        return torch.optim.AdamW(groups, lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), eps=cfg.eps,
+                                 **kind)
+    return make
 
 
 def build_dims(cfg: RunConfig, world_size: int) -> ParallelDims:
@@ -82,22 +81,8 @@ def build_dims(cfg: RunConfig, world_size: int) -> ParallelDims:
     return dims
 
 
-def _device(cfg) -> torch.device:
-    want = cfg.train.device
-    if want == "cuda" or (want == "auto" and torch.cuda.is_available()):
-        if not torch.cuda.is_available():
-            raise ValueError("train.device='cuda' but CUDA is not available")
-        local_rank = int(os.environ.get("LOCAL_RANK", 0))
-        if local_rank >= torch.cuda.device_count():
-            raise ValueError(f"LOCAL_RANK={local_rank} but this node has "
-                             f"{torch.cuda.device_count()} CUDA device(s): start at most that "
-                             "many processes per node")
-        return torch.device("cuda", local_rank)
-    return torch.device("cpu")
-
-
 class Trainer:
-    """Builds the model, data and optimizer from a validated RunConfig; `run()` trains."""
+    """Builds the data, the layout and the parallel model from a validated RunConfig; `run()` trains."""
 
     def __init__(self, cfg: RunConfig, log=print):
         self.cfg = cfg
@@ -106,69 +91,49 @@ class Trainer:
         self.rank = int(os.environ.get("RANK", 0))
         self.dims = build_dims(cfg, world_size)
         self.log = log if self.rank == 0 else (lambda _msg: None)
-        self.device = _device(cfg)
+        self.device = select_device(tcfg.device, cfg.parallel.backend)
         # Data errors surface here, on every rank, before any process group exists.
         tokens = load_tokens(cfg.data)
         check_token_range(tokens, cfg.model.vocab_size, f"data.source={cfg.data.source}")
         self.sampler = WindowSampler(tokens, tcfg.seq_len, tcfg.micro_batch_size, tcfg.seed,
                                      cfg.model.vocab_size, name=f"data.source={cfg.data.source}")
-        self.meshes = None
-        if world_size > 1:
-            if not dist.is_initialized():
-                backend = cfg.parallel.backend
-                if backend == "auto":
-                    backend = "nccl" if self.device.type == "cuda" else "gloo"
-                if self.device.type == "cuda":
-                    torch.cuda.set_device(self.device)
-                dist.init_process_group(backend)
-            self.meshes = self.dims.build_meshes(self.device.type)
-        coords = self.dims.coords(self.rank)
-        # One replica per pipeline stage writes: dense tensors where dp == tp == 0, experts where
-        # edp == 0.
-        self.tp_group = self.meshes.group("tp") if self.dims.tp > 1 else None
-        self.owner = Owner(self.rank, world_size, writes_experts=coords.edp == 0,
-                           writes_dense=coords.dp == 0 and coords.tp == 0,
-                           tp_group=self.tp_group)
+        init_process_group(cfg.parallel, self.device, world_size)
+        self.layout = self.dims.bind(self.rank, self.device)
+        coords = self.layout.coords
         self.num_micro = tcfg.global_batch_size // tcfg.micro_batch_size
         self.num_local_micro = self.num_micro // self.dims.dp
         self.first_micro = coords.dp * self.num_local_micro
         self.ckpt_root = os.path.join(cfg.run.dir, "checkpoints")
         resume_path = self._resume_path()
-        # Every rank builds the full model from the same seed, then keeps its shard.
-        torch.manual_seed(tcfg.seed)
-        model = Transformer(cfg.model, cfg.router).to(_PARAM_DTYPES[tcfg.dtype])
-        self.model = parallelize(model, cfg.parallel, self.dims, self.meshes, self.rank,
-                                 tcfg.activation_checkpointing, tcfg.seq_len).to(self.device)
-        if self.tp_group is not None:    # tensor-parallel shards gather/slice in checkpoints
-            self.owner.tp_specs = tp_shard_spec(self.model)
-        self.model.set_aux_loss_scale(1.0 / self.num_local_micro)
-        self.num_moe_layers = sum(map(cfg.model.is_moe_layer, range(cfg.model.num_layers)))
-        # This rank's MoE layers' positions among all of the model's (all of them without pp).
-        self.moe_indices = (self.model.moe_indices() if self.dims.pp > 1
-                            else list(range(self.num_moe_layers)))
-        self.runner = None
-        if self.dims.pp > 1:
-            self.runner = PipelineRunner(self.model, self.meshes.group("pp"),
-                                         cfg.parallel.pp_schedule, self.num_local_micro,
-                                         loss_fn=self.loss_fn, autocast=self._autocast)
-        # Data parallelism / ZeRO wraps the parameters last; it also decides what AdamW steps.
-        compute = torch.bfloat16 if tcfg.dtype == "bfloat16" else None
-        self.sync, self.optimizer = data_parallel(self.model, cfg.parallel, self.dims, self.meshes,
-                                                  adamw_factory(tcfg), compute)
-        # The norm's tp groups, from the parameters as wrapped (FSDP swaps in new ones).
-        self._tp_split = (tp_norm_parameters(self.model, self.tp_group)
-                          if self.tp_group is not None else None)
+        # The whole model exists only as shapes; each rank allocates and draws its own shards.
+        with torch.device("meta"):
+            model = Transformer(cfg.model, cfg.router, seed=tcfg.seed)
+        model = model.to(_PARAM_DTYPES[tcfg.dtype])
+        options = Options(cfg.parallel, adamw_factory(tcfg, fused=self.device.type == "cuda"),
+                          num_micro=self.num_local_micro, vocab_size=cfg.model.vocab_size,
+                          seq_len=tcfg.seq_len,
+                          activation_checkpointing=tcfg.activation_checkpointing,
+                          compute_dtype=torch.bfloat16 if tcfg.dtype == "bfloat16" else None,
+                          seed=tcfg.seed)
+        self.engine = parallelize(model, self.layout, options)
         self.step = 0
         if resume_path:
-            state = load_checkpoint(resume_path, self.model, self.optimizer, self.owner)
+            state = load_checkpoint(resume_path, self.engine, optimizer=True)
             self.step, self.sampler.position = state["step"], state["data_position"]
             self.log(f"resumed from {resume_path} at step {self.step}")
         elif cfg.run.init_from:
-            load_checkpoint(cfg.run.init_from, self.model, None, self.owner)
+            load_checkpoint(cfg.run.init_from, self.engine, restore_rng=False)
             self.log(f"initialised weights from {cfg.run.init_from}")
         self.log(f"layout: {self.dims.describe()}; zero {cfg.parallel.zero}; "
                  f"{self.num_local_micro} micro-batch(es) of "
                  f"{tcfg.micro_batch_size} per rank per step; device {self.device}")
+
+    # The handle's parts, by the names tests and benchmarks use.
+    model = property(lambda self: self.engine.model)
+    optimizer = property(lambda self: self.engine.optimizer)
+    sync = property(lambda self: self.engine.sync)
+    runner = property(lambda self: self.engine.runner)
+    meshes = property(lambda self: self.layout.meshes)
 
     def _resume_path(self) -> str | None:
         """The checkpoint to resume from, or None; refuses to clobber a run by accident."""
@@ -176,7 +141,7 @@ class Trainer:
         if self.rank == 0:
             for message in recover_interrupted(self.ckpt_root):
                 self.log(f"checkpoints: {message}")
-        self.owner.barrier()
+        self._barrier()
         existing = complete_steps(self.ckpt_root)
         doomed, path = [], None
         if run.resume_from:
@@ -197,90 +162,47 @@ class Trainer:
                                  "replace it, or choose another run.dir")
             doomed = existing
         if doomed:
-            self.owner.barrier()       # every rank has looked before anything goes
+            self._barrier()       # every rank has looked before anything goes
             if self.rank == 0:
                 for step in doomed:
                     shutil.rmtree(os.path.join(self.ckpt_root, f"step_{step}"))
-            self.owner.barrier()
+            self._barrier()
         return path
 
-    def _autocast(self):
-        if self.cfg.train.dtype == "bfloat16":
-            return torch.autocast(self.device.type, dtype=torch.bfloat16)
-        return contextlib.nullcontext()
+    def _barrier(self):
+        if self.dims.world_size > 1:
+            import torch.distributed as dist
+            dist.barrier()
 
     def _micro_batch(self, inputs_BS, targets_BS, stats: StepStats, last: bool = True):
-        inputs_BS, targets_BS = inputs_BS.to(self.device), targets_BS.to(self.device)
-        self.sync.before_backward(last)
-        with self._autocast():
-            logits_BSV, moe_outputs = self.model(inputs_BS)
-        loss = self.loss_fn(logits_BSV, targets_BS)
-        (loss / self.num_local_micro).backward()
-        self.sync.after_backward(last)
-        stats.add(moe_outputs, self.cfg.router)
-        return loss.detach()
+        """One micro-batch of a whole model (pp = 1), sync armed when `last` (for tests)."""
+        return self.engine.micro_batch(inputs_BS, targets_BS, stats, last)
 
     def forward_backward(self, stats: StepStats) -> torch.Tensor:
         """This rank's micro-batches of one step, gradients reduced; returns their loss sum
         (under pp: zero except on the last stage; the step-end reduction sums over pp)."""
         base = self.sampler.position + self.first_micro
-        if self.runner is not None:
-            return self._pipeline_step(base, stats)
-        loss_sum = torch.zeros((), dtype=torch.float64, device=self.device)
-        for i in range(self.num_local_micro):
-            # Gradients reduce while the last backward runs (ZeRO-2: every backward).
-            last = i == self.num_local_micro - 1
-            loss_sum += self._micro_batch(*self.sampler.batch(base + i), stats, last)
-        self.sampler.position += self.num_micro
-        return loss_sum
-
-    def loss_fn(self, logits_BSV, targets_BS):
-        """Mean cross-entropy in float32 or wider; vocabulary-parallel under tp (logits stay split)."""
-        if self.tp_group is None:
-            return default_loss(logits_BSV, targets_BS)
-        logits_BSV = logits_BSV.to(torch.promote_types(logits_BSV.dtype, torch.float32))
-        return vocab_parallel_cross_entropy(logits_BSV, targets_BS, self.tp_group,
-                                            self.cfg.model.vocab_size)
-
-    def _pipeline_step(self, base: int, stats: StepStats) -> torch.Tensor:
         batches = [self.sampler.batch(base + i) for i in range(self.num_local_micro)]
-        final_backward = [a for a in self.runner.order if a.kind == "B"][-1]
-        last_micro = self.num_local_micro - 1
-
-        def around(action, after: bool):
-            if action.kind == "B":
-                hook = self.sync.after_backward if after else self.sync.before_backward
-                hook(action.micro == last_micro, action == final_backward)
-
-        loss_sum, moe_outputs = self.runner.run(
-            [b[0] for b in batches], [b[1] for b in batches],
-            before_action=lambda a: around(a, False), after_action=lambda a: around(a, True))
-        for outs in moe_outputs:
-            stats.add(outs, self.cfg.router, self.moe_indices)
+        loss_sum = self.engine.forward_backward([b[0] for b in batches], [b[1] for b in batches],
+                                                stats)
         self.sampler.position += self.num_micro
         return loss_sum
 
     def train_step(self) -> dict:
         """One optimizer step over this rank's micro-batches; returns the global metrics record."""
-        tcfg = self.cfg.train
+        tcfg, engine = self.cfg.train, self.engine
         start = time.perf_counter()
-        stats = StepStats(self.num_moe_layers, self.cfg.model.num_experts, self.device)
+        stats = StepStats(len(engine.moe_layer_ids), self.cfg.model.num_experts, self.device)
         loss_sum = self.forward_backward(stats)
-        if self.tp_group is not None:   # replicated parameters saw 1/tp of the tokens each
-            reduce_sequence_parallel_grads(self.model, self.tp_group, self.sync.grad_view)
-        # Statistics and the loss of all dp ranks (and pipeline stages), reduced on every rank.
-        stats.reduce(self.meshes.group("dp") if self.meshes else None, extra=[loss_sum],
-                     stage_group=self.meshes.group("pp") if self.dims.pp > 1 else None,
-                     slice_group=self.tp_group)
+        engine.finish_step(stats, loss_sum)
         max_norm = tcfg.grad_clip if tcfg.grad_clip > 0 else float("inf")
-        groups = grad_norm_groups(self.model, self.sync, self.dims, self._tp_split)
-        grad_norm = float(clip_grad_norm(groups, max_norm, self.meshes, self.device))
+        grad_norm = float(engine.clip_grad_norm(max_norm))
         loss = float(loss_sum) / self.num_micro
         self.step += 1
         lr = lr_at(self.step, tcfg)
         skipped = not (math.isfinite(loss) and math.isfinite(grad_norm))
         if skipped:
-            self.optimizer.zero_grad(set_to_none=True)
+            engine.zero_grad()
             message = (f"step {self.step}: non-finite loss={loss} or grad_norm={grad_norm}; "
                        f"{'stopping' if tcfg.on_nonfinite == 'stop' else 'step skipped'}, "
                        "parameters unchanged")
@@ -288,11 +210,8 @@ class Trainer:
             if tcfg.on_nonfinite == "stop":
                 raise NonFiniteError(message)
         else:
-            for group in self.optimizer.param_groups:
-                group["lr"] = lr
-            self.optimizer.step()
-            self.optimizer.zero_grad(set_to_none=True)
-            self._update_expert_bias(stats)
+            engine.optimizer_step(lr, stats)
+            engine.zero_grad()
         elapsed = time.perf_counter() - start
         tokens = tcfg.global_batch_size * tcfg.seq_len
         record = {"step": self.step, "loss": loss, **stats.summary(), "grad_norm": grad_norm,
@@ -300,30 +219,18 @@ class Trainer:
         self.last_stats = stats
         return record
 
-    def _update_expert_bias(self, stats: StepStats):
-        for layer, moe in zip(self.moe_indices, self.model.moe_layers()):
-            router = moe.router
-            if isinstance(router, TopKRouter) and router.cfg.bias_update_rate > 0:
-                router.update_bias(stats.tokens_LE[layer])
-
     def expert_bias_LE(self):
         """Every MoE layer's selection bias [L, E], or None; a collective over pp under pp > 1."""
-        if self.cfg.router.bias_update_rate == 0 or self.cfg.router.type != "topk" \
-                or not self.num_moe_layers:
+        router = self.cfg.router
+        if router.bias_update_rate == 0 or router.type != "topk" or not self.engine.moe_layer_ids:
             return None
-        bias_LE = torch.zeros(self.num_moe_layers, self.cfg.model.num_experts,
-                              dtype=torch.float64, device=self.device)
-        for layer, moe in zip(self.moe_indices, self.model.moe_layers()):
-            bias_LE[layer] = moe.router.expert_bias_E.to(bias_LE)
-        if self.dims.pp > 1:
-            dist.all_reduce(bias_LE, group=self.meshes.group("pp"))
-        return bias_LE
+        return self.engine.expert_bias_LE(self.cfg.model.num_experts)
 
     def save(self) -> str:
-        state = {"step": self.step, "data_position": self.sampler.position, "config": to_dict(self.cfg),
-                 "layout": self.dims.describe()}
-        return save_checkpoint(self.ckpt_root, self.step, self.model, self.optimizer, state,
-                               keep=self.cfg.run.keep_checkpoints, owner=self.owner)
+        state = {"step": self.step, "data_position": self.sampler.position,
+                 "config": to_dict(self.cfg), "layout": self.dims.describe()}
+        return save_checkpoint(self.ckpt_root, self.step, self.engine, state,
+                               keep=self.cfg.run.keep_checkpoints)
 
     def run(self) -> list[dict]:
         """Trains to train.steps, logging and checkpointing; returns this call's records."""

@@ -1,45 +1,82 @@
 """Everything that knows ranks exist; `parallelize` is the one place that fixes the order.
 
-Order (see shared DESIGN.md): expert and tensor parallelism (change shapes) -> activation
-checkpointing -> compile -> pipeline split -> data parallel / ZeRO (wraps parameters last).
-This version has expert, tensor (with sequence), pipeline and data parallelism with ZeRO 0-3, in
-any combination.
+Order (see shared DESIGN.md), applied to a model built on the meta device:
+expert and tensor parallelism (change shapes) -> activation checkpointing -> pipeline split ->
+ZeRO-3 / FSDP2 (shards parameters) -> materialize this rank's shards on its device and draw their
+initial values -> data parallel / ZeRO 0-2 (wraps the materialized parameters) -> the step runner.
+A model that is already materialized (tests, notebooks) goes through the same order; its values
+are kept.
 """
+
+from dataclasses import dataclass
+from typing import Callable
 
 import torch
 
 from .checkpointing import apply_activation_checkpointing
-from .dims import ParallelDims
 from .ddp import OverlappedReducer
+from .dims import Layout, ParallelDims
 from .expert import apply_ep
+from .handle import LocalRunner, ParallelModel, materialize
 from .pipeline import build_stage
+from .schedules import PipelineRunner
 from .tensor import apply_tp
 from .zero import FullyShardedSync, ShardedAdamW, ZeroReducer
 
-__all__ = ["parallelize", "apply_activation_checkpointing", "apply_ep",
-           "ParallelDims", "data_parallel", "LocalSync"]
+__all__ = ["parallelize", "Options", "ParallelModel", "apply_activation_checkpointing",
+           "apply_ep", "ParallelDims", "Layout", "data_parallel", "LocalSync"]
 
 
-def parallelize(model, parallel, dims=None, meshes=None, rank: int = 0,
-                activation_checkpointing: bool = False, seq_len: int | None = None):
-    """Applies the configured parallelisms to `model` in the fixed order; returns the model, or
-    under pp > 1 this rank's pipeline stage (a StageModule holding the model's own modules).
+@dataclass
+class Options:
+    """What `parallelize` needs beyond the layout; the trainer fills it from the run config."""
+    parallel: object                   # the [parallel] section (zero, dispatcher, pp_schedule, ...)
+    make_optimizer: Callable           # (decay parameters, no-decay parameters) -> optimizer
+    num_micro: int = 1                 # micro-batches per step on each data-parallel rank
+    vocab_size: int = 0
+    seq_len: int | None = None
+    activation_checkpointing: bool = False
+    compute_dtype: torch.dtype | None = None   # autocast dtype (bfloat16), None: the parameters'
+    seed: int = 0                      # initial values (layers/init.py), the same at any layout
+    materialize: bool = True           # False: stay on meta (memory simulation)
 
-    Order: expert and tensor parallelism (change shapes) -> activation checkpointing ->
-    pipeline split.
-    Data parallelism / ZeRO come last, from `data_parallel`, once the model is on its device.
-    """
-    if dims is not None and dims.ep > 1:
-        apply_ep(model, dims, meshes, rank, parallel.dispatcher, parallel.dedup,
-                 parallel.debug_splits)
-    if dims is not None and dims.tp > 1:
-        apply_tp(model, dims, meshes, seq_len)
-    if activation_checkpointing:
+
+def parallelize(model, layout: Layout, options: Options) -> ParallelModel:
+    """Applies every parallelism to `model` (a whole `Transformer`, on meta or materialized) in
+    the fixed order; returns the handle the trainer talks to (see handle.py)."""
+    from moepar.layers.init import canonical_tensors
+    dims, p = layout.dims, options.parallel
+    canonical = canonical_tensors(model)              # the whole model's names and shapes
+    moe_layer_ids = [block.layer_id for block in model.layers if block.is_moe]
+    if dims.ep > 1:
+        apply_ep(model, dims, layout.meshes, layout.rank, p.dispatcher, p.dedup, p.debug_splits)
+    if dims.tp > 1:
+        apply_tp(model, dims, layout.meshes, options.seq_len)
+    if options.activation_checkpointing:
         apply_activation_checkpointing(model)
-    if dims is not None and dims.pp > 1:
-        model = build_stage(model, dims.coords(rank).pp, dims.pp, parallel.pp_virtual,
-                            parallel.pp_layers or None)
-    return model
+    if dims.pp > 1:
+        model = build_stage(model, layout.coords.pp, dims.pp, p.pp_virtual, p.pp_layers or None)
+    on_meta = next(model.parameters()).device.type == "meta"
+    if not on_meta:
+        model.to(layout.device)
+    fsdp = None
+    if layout.meshes is not None and p.zero == 3:
+        fsdp = FullyShardedSync(model, layout.meshes, dims, _WIRE[p.grad_reduce_dtype],
+                                options.compute_dtype)
+    handle = ParallelModel(model, layout, canonical, moe_layer_ids, p.zero, options.compute_dtype,
+                           options.num_micro, options.vocab_size)
+    if on_meta and not options.materialize:
+        return handle
+    if on_meta:
+        materialize(model, layout, canonical, options.seed)
+    sync, optimizer = data_parallel(model, layout, p, options.make_optimizer, fsdp)
+    if dims.pp > 1:
+        runner = PipelineRunner(model, layout.group("pp"), p.pp_schedule, options.num_micro,
+                                loss_fn=handle.loss_fn, autocast=handle.autocast)
+    else:
+        runner = LocalRunner(model, options.num_micro, handle.loss_fn, handle.autocast)
+    handle.attach(sync, optimizer, runner)
+    return handle
 
 
 class LocalSync:
@@ -60,12 +97,12 @@ class LocalSync:
 _WIRE = {"": None, "float32": torch.float32, "bfloat16": torch.bfloat16}
 
 
-def data_parallel(model, parallel, dims, meshes, make_adamw, compute_dtype=None):
-    """The last step of parallelize: (gradient sync, optimizer) for parallel.zero.
+def data_parallel(model, layout: Layout, parallel, make_adamw, fsdp=None):
+    """The last wrapping: (gradient sync, optimizer) for parallel.zero.
 
     `make_adamw(decay_params, no_decay_params)` builds the optimizer over whatever this stage
     steps: the parameters (zero 0 and 3, DTensors under 3) or the flat shards (zero 1 and 2).
-    `compute_dtype` (bfloat16 training) is the dtype ZeRO-3 gathers parameters in.
+    `fsdp` is the FullyShardedSync of zero 3 (applied earlier, on the meta model).
     The sync object has before_backward / after_backward around each backward, and
     grad_view(p) / dense_axes / expert_axes: where a gradient lives after the sync and the axes
     that storage is sharded over (see data.grad_norm_groups). Their arguments: `last`, the last
@@ -76,6 +113,7 @@ def data_parallel(model, parallel, dims, meshes, make_adamw, compute_dtype=None)
         params = list(params)
         return [p for p in params if p.dim() >= 2], [p for p in params if p.dim() < 2]
 
+    meshes, dims = layout.meshes, layout.dims
     if meshes is None:
         return LocalSync(), make_adamw(*split(model.parameters()))
     wire = _WIRE[parallel.grad_reduce_dtype]
@@ -85,5 +123,4 @@ def data_parallel(model, parallel, dims, meshes, make_adamw, compute_dtype=None)
     if parallel.zero in (1, 2):
         sync = ZeroReducer(model, meshes, dims, parallel.zero, parallel.bucket_mb, wire)
         return sync, ShardedAdamW(sync, make_adamw)
-    sync = FullyShardedSync(model, meshes, dims, wire, compute_dtype)
-    return sync, make_adamw(*split(model.parameters()))
+    return fsdp, make_adamw(*split(model.parameters()))

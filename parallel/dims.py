@@ -17,7 +17,7 @@ maths; `build_meshes` makes the two DeviceMeshes (every axis gets a real group, 
 
 from dataclasses import dataclass
 
-__all__ = ["ParallelDims", "Coords", "Meshes"]
+__all__ = ["ParallelDims", "Coords", "Meshes", "Layout"]
 
 
 @dataclass(frozen=True)
@@ -115,6 +115,13 @@ class ParallelDims:
                 f"experts: pp {self.pp} x edp {self.edp} x ep {self.ep}")
 
 
+    def bind(self, rank: int, device) -> "Layout":
+        """This layout seen from `rank` on `device`; builds the meshes when the world has more
+        than one rank (a default process group must exist then)."""
+        meshes = self.build_meshes(device.type) if self.world_size > 1 else None
+        return Layout(self, rank, device, meshes)
+
+
 _MESHES: dict[tuple, "Meshes"] = {}
 
 
@@ -126,3 +133,24 @@ class Meshes:
     def group(self, axis: str):
         mesh = self.dense if axis in ("pp", "dp", "tp") else self.expert
         return mesh.get_group(axis)
+
+
+@dataclass(frozen=True)
+class Layout:
+    """A ParallelDims bound to one rank: its coordinates, its device and the meshes (None in a
+    single process without a process group, where every group is None and every size 1)."""
+    dims: ParallelDims
+    rank: int
+    device: object           # torch.device
+    meshes: Meshes | None
+
+    @property
+    def coords(self) -> Coords:
+        return self.dims.coords(self.rank)
+
+    def group(self, axis: str):
+        """The process group of `axis`, or None without meshes."""
+        return None if self.meshes is None else self.meshes.group(axis)
+
+    def size(self, axis: str) -> int:
+        return getattr(self.dims, axis)

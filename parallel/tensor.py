@@ -152,7 +152,8 @@ def local_shard(full: torch.Tensor, spec: TPShard, tp_rank: int) -> torch.Tensor
 def full_tensor(local: torch.Tensor, spec: TPShard, group) -> torch.Tensor:
     """The full (canonical, unpadded) tensor from every rank's piece; inverse of local_shard.
 
-    Forward only (checkpoints): all_gather over `group`; every tp rank must call it, same order."""
+    Forward only (tests compare against whole tensors with it): all_gather over `group`; every tp
+    rank must call it, in the same order."""
     pieces = [torch.empty_like(local) for _ in range(spec.tp)]
     if spec.tp > 1:
         dist.all_gather(pieces, local.contiguous(), group=group)

@@ -38,8 +38,7 @@ from torch import nn
 from . import comm
 from .ddp import OverlappedReducer
 
-__all__ = ["ZeroReducer", "ShardedAdamW", "FullyShardedSync", "full_tensor", "shard_like",
-           "copy_full_into"]
+__all__ = ["ZeroReducer", "ShardedAdamW", "FullyShardedSync"]
 
 
 class ZeroReducer(OverlappedReducer):
@@ -129,8 +128,8 @@ class ZeroReducer(OverlappedReducer):
 class ShardedAdamW:
     """AdamW over the ZeroReducer's shards; after each step, one all-gather per bucket.
 
-    Looks like a torch optimizer to the trainer (param_groups, step, zero_grad); checkpoints go
-    through `param_state` / `load_param_state`, which speak in whole parameters.
+    Looks like a torch optimizer to the trainer (param_groups, step, zero_grad); checkpoints see
+    each bucket's shard of the AdamW state as boxes of the parameters (handle.optimizer_shards).
     """
 
     def __init__(self, reducer: ZeroReducer, make_adamw):
@@ -153,40 +152,6 @@ class ShardedAdamW:
 
     def zero_grad(self, set_to_none: bool = True):
         self.reducer.zero_grad()
-
-    def _full(self, b, shard):
-        if b.size == 1:
-            return shard
-        full = shard.new_empty(b.shard_len * b.size)
-        comm.all_gather_single(full, shard.contiguous(), group=b.group)
-        return full
-
-    def param_state(self) -> dict:
-        """{parameter: {kind: full tensor}} (a collective over each bucket's group)."""
-        out = {}
-        for b in self.reducer.buckets:
-            state = self.inner.state.get(b.shard, {})
-            for kind in sorted(state):
-                value = state[kind]
-                full = self._full(b, value) if value.dim() else value
-                offset = 0
-                for p in b.params:
-                    out.setdefault(p, {})[kind] = (full[offset:offset + p.numel()].view_as(p)
-                                                   if value.dim() else value.clone())
-                    offset += p.numel()
-        return out
-
-    def load_param_state(self, per_param: dict):
-        for b in self.reducer.buckets:
-            kinds = per_param.get(b.params[0], {})
-            state = self.inner.state[b.shard]
-            for kind, first in kinds.items():
-                if first.dim() == 0:
-                    state[kind] = first.clone()
-                    continue
-                full = torch.cat([per_param[p][kind].reshape(-1) for p in b.params]
-                                 + [first.new_zeros(b.pad)])
-                state[kind] = full[b.mine].to(b.flat).clone()
 
 
 class FullyShardedSync:
@@ -250,27 +215,3 @@ class FullyShardedSync:
 
     def grad_view(self, p):
         return None if p.grad is None else p.grad.to_local()
-
-
-def full_tensor(t: torch.Tensor) -> torch.Tensor:
-    """The whole tensor of a DTensor (a collective over its mesh); plain tensors unchanged."""
-    from torch.distributed.tensor import DTensor
-    return t.full_tensor() if isinstance(t, DTensor) else t
-
-
-def shard_like(full: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
-    """`full` laid out like `target`: this rank's shard for a DTensor (no communication)."""
-    from torch.distributed.tensor import DTensor, distribute_tensor
-    if not isinstance(target, DTensor):
-        return full.to(dtype=target.dtype, device=target.device)
-    full = full.to(dtype=target.dtype, device=target.device)
-    return distribute_tensor(full, target.device_mesh, target.placements, src_data_rank=None)
-
-
-def copy_full_into(target: torch.Tensor, full: torch.Tensor):
-    """Writes the whole tensor `full` into `target`, or into this rank's shard of a DTensor."""
-    local = shard_like(full, target)
-    if hasattr(local, "to_local"):
-        target.to_local().copy_(local.to_local())
-    else:
-        target.copy_(local)

@@ -230,12 +230,11 @@ def _hf_role(arch: Arch, cfg: ModelConfig, name: str):
 
 def expected_canonical(model_cfg: ModelConfig, router_cfg: RouterConfig) -> dict[str, tuple]:
     """Canonical name -> shape for a full model of this config (built on the meta device)."""
-    from moepar.checkpoint import canonical_items, Owner
     from moepar.layers import Transformer
+    from moepar.layers.init import canonical_tensors
     with torch.device("meta"):
-        model = Transformer(model_cfg, router_cfg)
-    return {name: tuple(t.shape) for name, t in
-            canonical_items(model, model.state_dict(), Owner())}
+        model = Transformer(model_cfg, router_cfg, seed=0)
+    return {name: t.shape for name, t in canonical_tensors(model).items()}
 
 
 def hf_to_canonical(arch: Arch, cfg: ModelConfig, tensors, interleaved: bool = False):

@@ -178,7 +178,7 @@ def _infer_arch(model_cfg: ModelConfig) -> str:
 def moepar_to_hf(src: str, dst: str, arch_name: str | None = None,
                  max_shard_bytes: int = 2 << 30) -> str:
     """Writes a moepar checkpoint directory as a HF folder (sharded, with index and config.json)."""
-    from moepar.checkpoint import verify_checkpoint
+    from moepar.checkpoint import canonical_names, read_canonical, verify_checkpoint
     if os.path.exists(dst):
         raise ConversionError(f"{dst!r} already exists; choose a new directory")
     verify_checkpoint(src)
@@ -193,19 +193,13 @@ def moepar_to_hf(src: str, dst: str, arch_name: str | None = None,
     arch = arch_by_name(arch_name or (source_cfg or {}).get("model_type") or _infer_arch(model_cfg))
     if source_cfg is None or source_cfg.get("model_type") != arch.name:
         source_cfg = hf_config_dict(arch, model_cfg, router_cfg)
-    with open(os.path.join(src, "index.json")) as f:
-        index = json.load(f)["model"]
     expected = expected_canonical(model_cfg, router_cfg)
-    missing = sorted(set(expected) - set(index))
+    missing = sorted(set(expected) - set(canonical_names(src)))
     if missing:
         raise ConversionError(f"{src!r} lacks {len(missing)} tensor(s), e.g. {missing[:6]}")
 
-    def canonical():
-        for file in sorted(set(index.values())):
-            with safe_open(os.path.join(src, file), framework="pt") as f:
-                for name in f.keys():
-                    if name in index and index[name] == file:
-                        yield name, f.get_tensor(name)
+    def canonical():   # one whole tensor at a time, assembled from its stored pieces
+        yield from read_canonical(src, verify=False)
 
     tmp, writer = _write_shards(dst, "part-{:05d}.safetensors", max_shard_bytes,
                                 canonical_to_hf(arch, model_cfg, _checked(expected, canonical()),
@@ -243,7 +237,11 @@ def from_hf(path: str, dtype: torch.dtype = torch.float32) -> CausalLM:
     from moepar.layers import Transformer
     from moepar.layers.experts import GroupedExperts
     arch, model_cfg, router_cfg, stream = _canonical_from_hf(path)
-    model = Transformer(model_cfg, router_cfg).to(dtype)
+    from moepar.layers.init import reset_rope_buffers
+    with torch.device("meta"):   # no initial values: every tensor comes from the source
+        model = Transformer(model_cfg, router_cfg, seed=0)
+    model = model.to(dtype).to_empty(device="cpu")
+    reset_rope_buffers(model, model_cfg)
     targets = model.state_dict()
     stacks = {name: {"w_in": m.w_in_EDH, "w_out": m.w_out_EFD} for name, m in model.named_modules()
               if isinstance(m, GroupedExperts)}

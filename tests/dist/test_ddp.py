@@ -28,7 +28,7 @@ def case_overlap_and_accumulation(run_dir: str):
     try:
         trainer._micro_batch(*trainer.sampler.batch(trainer.first_micro), stats, last=False)
         assert calls == [], "an accumulation micro-batch must not reduce"
-        reducer.after_backward = lambda last: None     # look before finish() writes back
+        reducer.after_backward = lambda last, final=None: None   # look before finish() writes back
         trainer._micro_batch(*trainer.sampler.batch(trainer.first_micro + 1), stats, last=True)
         launched_in_backward = reducer.next_launch
     finally:

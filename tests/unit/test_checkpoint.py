@@ -10,7 +10,9 @@ import torch
 from configs import tiny_config
 from moepar.checkpoint import (CheckpointError, complete_steps, recover_interrupted,
                                save_checkpoint, verify_checkpoint)
-from moepar.config import load_config
+from moepar.config import ParallelConfig, load_config
+from moepar.layers import ModelConfig, Transformer
+from moepar.parallel import Options, ParallelDims, parallelize
 from moepar.train import Trainer
 
 
@@ -19,28 +21,33 @@ def quiet(_msg):
 
 
 def small_model():
-    model = torch.nn.Linear(2, 2)
-    return model, torch.optim.AdamW(model.parameters())
+    """A one-process handle over a tiny model: (engine, None), the engine saves its optimizer."""
+    cfg = ModelConfig(vocab_size=16, dim=8, num_layers=1, num_heads=2, num_kv_heads=1, ffn_dim=8,
+                      moe_ffn_dim=8, num_experts=2, top_k=1, max_seq_len=8)
+    layout = ParallelDims(1).bind(0, torch.device("cpu"))
+    engine = parallelize(Transformer(cfg, seed=0), layout, Options(
+        ParallelConfig(), lambda decay, no_decay: torch.optim.AdamW(decay + no_decay)))
+    return engine, None
 
 
 def test_keep_prunes_only_older_steps(tmp_path):
     model, opt = small_model()
     root = str(tmp_path)
     for step in (100, 200):
-        save_checkpoint(root, step, model, opt, {"step": step}, keep=2)
+        save_checkpoint(root, step, model, {"step": step}, keep=2)
     # Resumed from 100 on another branch: saving 150 must keep 150 (and 200 stays untouched).
-    path = save_checkpoint(root, 150, model, opt, {"step": 150}, keep=1)
+    path = save_checkpoint(root, 150, model, {"step": 150}, keep=1)
     assert os.path.isdir(path)
     assert complete_steps(root) == [150, 200]
-    save_checkpoint(root, 300, model, opt, {"step": 300}, keep=2)
+    save_checkpoint(root, 300, model, {"step": 300}, keep=2)
     assert complete_steps(root) == [200, 300]
 
 
 def test_recover_interrupted_commit(tmp_path):
     model, opt = small_model()
     root = str(tmp_path)
-    save_checkpoint(root, 1, model, opt, {"step": 1})
-    save_checkpoint(root, 2, model, opt, {"step": 2})
+    save_checkpoint(root, 1, model, {"step": 1})
+    save_checkpoint(root, 2, model, {"step": 2})
     os.rename(tmp_path / "step_1", tmp_path / ".step_1.tmp")     # committed, not yet renamed
     os.rename(tmp_path / "step_2", tmp_path / "step_2.old")      # re-save between its renames
     (tmp_path / ".step_3.tmp").mkdir()                            # crashed while writing
@@ -54,7 +61,7 @@ def test_recover_interrupted_commit(tmp_path):
 
 def test_unreadable_manifest_is_a_checkpoint_error(tmp_path):
     model, opt = small_model()
-    path = save_checkpoint(str(tmp_path), 1, model, opt, {"step": 1})
+    path = save_checkpoint(str(tmp_path), 1, model, {"step": 1})
     with open(os.path.join(path, "manifest.json"), "w") as f:
         f.write("{not json")
     with pytest.raises(CheckpointError, match="manifest.json is unreadable"):

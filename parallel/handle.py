@@ -1,0 +1,337 @@
+"""The handle `parallelize` returns: this rank's model (or pipeline stage) with everything a
+training step needs, so the trainer has one code path for every layout.
+
+Talks on: dp and edp (gradient sync, step statistics), tp (partial gradients of replicated
+parameters, the vocabulary-parallel loss), pp (the schedule's point-to-point traffic, statistics,
+the expert bias for logging), ep (the gradient norm).
+
+| the trainer calls        | what it does here                                                   |
+|--------------------------|---------------------------------------------------------------------|
+| forward_backward         | the step's micro-batches through the local loop or the pipeline     |
+|                          | schedule, gradient sync armed on each rank's last backward          |
+| finish_step              | tp partial gradients summed; statistics and loss reduced over       |
+|                          | dp (and tp, pp): every rank ends with the same global numbers       |
+| clip_grad_norm           | the exact global norm over every gradient group, then clipping      |
+| optimizer_step           | AdamW (sharded under ZeRO), expert bias update                      |
+| model_shards /           | each local tensor with its `shards.Segment`s (checkpoints, init)    |
+|   optimizer_shards       |                                                                     |
+"""
+
+import contextlib
+import dataclasses
+from typing import NamedTuple
+
+import torch
+
+from moepar.layers.experts import GroupedExperts
+from moepar.layers.init import expert_split
+from moepar.layers.router import TopKRouter
+
+from .data import clip_grad_norm, grad_norm_groups
+from .schedules import Action, _statistics_only, default_loss
+from .shards import fsdp_segments, tp_segments, whole_segments, flat_segments
+from .tensor import reduce_sequence_parallel_grads, tp_norm_parameters, tp_shard_spec
+from .vocab import vocab_parallel_cross_entropy
+
+__all__ = ["ParallelModel", "LocalRunner", "LocalTensor", "local_tensor"]
+
+
+class LocalTensor(NamedTuple):
+    """A tensor on this rank and where it sits in the canonical tensors."""
+    name: str               # parameter / buffer name, or "<kind>/<parameter name>" for state
+    tensor: torch.Tensor    # plain tensor (DTensors are given as their local shard)
+    segments: list          # shards.Segment
+
+
+def local_tensor(t: torch.Tensor) -> torch.Tensor:
+    """The local shard of a DTensor (FSDP2); plain tensors unchanged."""
+    return t.to_local() if hasattr(t, "to_local") else t
+
+
+class LocalRunner:
+    """pp = 1: the step's micro-batches one after another (forward, loss, backward), with the
+    hooks of `PipelineRunner.run` so the handle drives both the same way."""
+
+    def __init__(self, model, num_micro: int, loss_fn, autocast):
+        self.model, self.num_micro, self.loss_fn, self.autocast = model, num_micro, loss_fn, autocast
+        self.order = [Action(kind, 0, n) for n in range(num_micro) for kind in "FB"]
+        model.set_aux_loss_scale(1.0 / num_micro)
+
+    def run(self, inputs: list, targets: list, before_action=None, after_action=None,
+            limit: int | None = None):
+        """The step's micro-batches (or the first `limit`); returns (loss sum, per micro-batch
+        the MoE outputs' statistics)."""
+        device = next(self.model.parameters()).device
+        loss_sum = torch.zeros((), dtype=torch.float64, device=device)
+        outputs = []
+        for n in range(self.num_micro if limit is None else limit):
+            inputs_BS = inputs[n].to(device, non_blocking=True)
+            targets_BS = targets[n].to(device, non_blocking=True)
+            with self.autocast():
+                logits, moe_outputs = self.model(inputs_BS)
+            loss = self.loss_fn(logits, targets_BS)
+            backward = Action("B", 0, n)
+            if before_action is not None:
+                before_action(backward)
+            (loss / self.num_micro).backward()
+            if after_action is not None:
+                after_action(backward)
+            loss_sum += loss.detach()
+            outputs.append([_statistics_only(o) for o in moe_outputs])
+        return loss_sum, outputs
+
+
+@dataclasses.dataclass
+class ParallelModel:
+    """Built by `parallelize`; see the module docstring for what each call does."""
+    model: torch.nn.Module            # the local model, or this rank's pipeline stage
+    layout: object                    # dims.Layout
+    canonical: dict                   # layers.init.CanonicalTensor per canonical name
+    moe_layer_ids: list[int]          # the model's layer number of each MoE layer (all ranks)
+    zero: int
+    compute_dtype: torch.dtype | None
+    num_micro: int                    # micro-batches per step on this rank
+    vocab_size: int
+    moe_indices: list[int] = None     # positions of this rank's MoE layers among all MoE layers
+    sync: object = None               # gradient sync (ddp.py, zero.py, or LocalSync): `attach`
+    optimizer: object = None
+    runner: object = None             # LocalRunner or schedules.PipelineRunner
+
+    def __post_init__(self):
+        self.tp_group = self.layout.group("tp") if self.layout.dims.tp > 1 else None
+        if self.moe_indices is None:
+            self.moe_indices = (self.model.moe_indices() if hasattr(self.model, "moe_indices")
+                                else list(range(len(self.moe_layer_ids))))
+        self.moe_router_cfg = next((m.router.cfg for m in self.model.moe_layers()), None)
+
+    def attach(self, sync, optimizer, runner):
+        """The last pieces, once the parameters are materialized and wrapped: the norm's tp
+        groups come from the parameters as wrapped (FSDP swaps in new ones)."""
+        self.sync, self.optimizer, self.runner = sync, optimizer, runner
+        self._tp_split = (tp_norm_parameters(self.model, self.tp_group)
+                          if self.tp_group is not None else None)
+        self._final_backward = [a for a in runner.order if a.kind == "B"][-1]
+
+    # ---- the step ----------------------------------------------------------------------------
+    def autocast(self):
+        if self.compute_dtype is None:
+            return contextlib.nullcontext()
+        return torch.autocast(self.layout.device.type, dtype=self.compute_dtype)
+
+    def loss_fn(self, logits_BSV, targets_BS):
+        """Mean cross-entropy in float32 or wider; vocabulary-parallel under tp (logits split)."""
+        if self.tp_group is None:
+            return default_loss(logits_BSV, targets_BS)
+        logits_BSV = logits_BSV.to(torch.promote_types(logits_BSV.dtype, torch.float32))
+        return vocab_parallel_cross_entropy(logits_BSV, targets_BS, self.tp_group,
+                                            self.vocab_size)
+
+    def _around(self, action: Action, after: bool):
+        if action.kind == "B":
+            hook = self.sync.after_backward if after else self.sync.before_backward
+            hook(action.micro == self.num_micro - 1, action == self._final_backward)
+
+    def forward_backward(self, inputs: list, targets: list, stats) -> torch.Tensor:
+        """This rank's micro-batches of one step, gradients synced; adds each micro-batch's MoE
+        statistics to `stats`; returns the sum of their losses (under pp: on the last stage,
+        zero elsewhere; `finish_step` sums it over pp)."""
+        loss_sum, moe_outputs = self.runner.run(
+            inputs, targets, before_action=lambda a: self._around(a, False),
+            after_action=lambda a: self._around(a, True))
+        for outs in moe_outputs:
+            stats.add(outs, self.moe_router_cfg, self.moe_indices)
+        return loss_sum
+
+    def micro_batch(self, inputs_BS, targets_BS, stats, last: bool = True) -> torch.Tensor:
+        """One micro-batch (pp = 1) with the gradient sync armed when `last`: the step broken
+        into its parts, for tests that look between micro-batches. Returns its loss."""
+        if self.layout.dims.pp > 1:
+            raise ValueError("micro_batch runs one micro-batch of a whole model (pp = 1)")
+        runner = self.runner
+        action = Action("B", 0, self.num_micro - 1 if last else 0)
+        loss, outs = runner.run([inputs_BS] * runner.num_micro, [targets_BS] * runner.num_micro,
+                                before_action=lambda a: self._around(action, False),
+                                after_action=lambda a: self._around(action, True),
+                                limit=1)
+        stats.add(outs[0], self.moe_router_cfg, self.moe_indices)
+        return loss
+
+    def finish_step(self, stats, loss_sum: torch.Tensor):
+        """Step-end reductions, on every rank in the same order: tp partial gradients of
+        replicated parameters, then statistics and the loss over dp (and tp slices, pp)."""
+        if self.tp_group is not None:   # replicated parameters saw 1/tp of the tokens each
+            reduce_sequence_parallel_grads(self.model, self.tp_group, self.sync.grad_view)
+        layout = self.layout
+        stats.reduce(layout.group("dp"), extra=[loss_sum],
+                     stage_group=layout.group("pp") if layout.dims.pp > 1 else None,
+                     slice_group=self.tp_group)
+
+    def clip_grad_norm(self, max_norm: float) -> torch.Tensor:
+        """The global gradient norm (float64, before clipping); clips in place to max_norm."""
+        groups = grad_norm_groups(self.model, self.sync, self.layout.dims, self._tp_split)
+        return clip_grad_norm(groups, max_norm, self.layout.meshes, self.layout.device)
+
+    def optimizer_step(self, lr: float, stats):
+        for group in self.optimizer.param_groups:
+            group["lr"] = lr
+        self.optimizer.step()
+        self.update_expert_bias(stats)
+
+    def zero_grad(self):
+        self.optimizer.zero_grad(set_to_none=True)
+
+    def update_expert_bias(self, stats):
+        for layer, moe in zip(self.moe_indices, self.model.moe_layers(), strict=True):
+            router = moe.router
+            if isinstance(router, TopKRouter) and router.cfg.bias_update_rate > 0:
+                router.update_bias(stats.tokens_LE[layer])
+
+    def expert_bias_LE(self, num_experts: int) -> torch.Tensor:
+        """Every MoE layer's selection bias [L, E] (float64); a collective over pp under pp > 1
+        (every rank calls it, MoE layers or not)."""
+        bias_LE = torch.zeros(len(self.moe_layer_ids), num_experts, dtype=torch.float64,
+                              device=self.layout.device)
+        for layer, moe in zip(self.moe_indices, self.model.moe_layers(), strict=True):
+            if isinstance(moe.router, TopKRouter):
+                bias_LE[layer] = moe.router.expert_bias_E.to(bias_LE)
+        if self.layout.dims.pp > 1:
+            import torch.distributed as dist
+            dist.all_reduce(bias_LE, group=self.layout.group("pp"))
+        return bias_LE
+
+    # ---- where tensors sit (init and checkpoints) --------------------------------------------
+    def model_shards(self) -> list[LocalTensor]:
+        """Every parameter and persistent buffer of this rank with its segments."""
+        return model_shards(self.model, self.layout, self.canonical)
+
+    @property
+    def _shards(self) -> "_Shards":
+        if getattr(self, "_shards_cache", None) is None:
+            self._shards_cache = _Shards(self.model, self.layout, self.canonical)
+        return self._shards_cache
+
+    def optimizer_shards(self, create: bool = False) -> tuple[list[LocalTensor], dict]:
+        """(moments, steps): AdamW's state tensors as LocalTensors named '<kind>/<parameter>',
+        and {LocalTensor name: the step count tensor it goes with}. `create` makes zero state
+        first (to load into); without it, parameters without state are left out."""
+        if self.zero in (1, 2):
+            return self._flat_optimizer_shards(create)
+        state = self.optimizer.state
+        moments, steps = [], {}
+        for name, p in self.model.named_parameters():
+            if create:
+                state[p] = new_adamw_state(p, self.optimizer)
+            if p not in state:
+                continue
+            segments = self._shards.segments(name, p, True)
+            for kind in ("exp_avg", "exp_avg_sq"):
+                key = f"{kind}/{name}"
+                moments.append(LocalTensor(key, local_tensor(state[p][kind]), segments))
+                steps[key] = state[p]["step"]
+        return moments, steps
+
+    def _flat_optimizer_shards(self, create: bool):
+        reducer, inner = self.sync, self.optimizer.inner
+        params = dict((id(p), n) for n, p in self.model.named_parameters())
+        moments, steps = [], {}
+        for index, b in enumerate(reducer.buckets):
+            if create:
+                inner.state[b.shard] = new_adamw_state(b.shard, inner)
+            if b.shard not in inner.state:
+                continue
+            segments = []
+            for p in b.params:
+                name = params[id(p)]
+                segments += flat_segments(self._shards.segments(name, p, False), tuple(p.shape),
+                                          b.offsets[id(p)], b.mine.start, b.mine.stop)
+            for kind in ("exp_avg", "exp_avg_sq"):
+                key = f"{kind}/bucket{index}"
+                moments.append(LocalTensor(key, inner.state[b.shard][kind], segments))
+                steps[key] = inner.state[b.shard]["step"]
+        return moments, steps
+
+
+def new_adamw_state(param, optimizer) -> dict:
+    """Zero AdamW state for `param`, laid out as torch.optim.AdamW creates it (step on the
+    parameter's device for fused/capturable optimizers, else a host scalar)."""
+    group = next(g for g in optimizer.param_groups if any(q is param for q in g["params"]))
+    on_device = group.get("fused") or group.get("capturable")
+    step = torch.zeros((), dtype=torch.float32, device=param.device if on_device else "cpu")
+    return {"step": step, "exp_avg": torch.zeros_like(param, memory_format=torch.preserve_format),
+            "exp_avg_sq": torch.zeros_like(param, memory_format=torch.preserve_format)}
+
+
+def persistent_buffers(model):
+    """(name, buffer) for every buffer a state_dict would hold."""
+    for prefix, module in model.named_modules():
+        for name, buf in module._buffers.items():
+            if buf is not None and name not in module._non_persistent_buffers_set:
+                yield (f"{prefix}.{name}" if prefix else name), buf
+
+
+class _Shards:
+    """Segments of this rank's tensors, from the model's module types, tp specs and DTensor
+    placements."""
+
+    def __init__(self, model, layout, canonical: dict):
+        self.model, self.layout, self.canonical = model, layout, canonical
+        self.experts = {n: m for n, m in model.named_modules() if isinstance(m, GroupedExperts)}
+        self.tp_specs = tp_shard_spec(model) if layout.dims.tp > 1 else {}
+
+    def segments(self, name: str, tensor, data_replicas: bool) -> list:
+        """Segments of local tensor `name` (a parameter, a buffer, or a state shaped like one).
+        `data_replicas`: the tensor is replicated over dp (edp for experts) unless FSDP shards it;
+        False for ZeRO-1/2 flat shards, which every data rank writes."""
+        coords = self.layout.coords
+        split = expert_split(name, self.experts)
+        spec = self.tp_specs.get(name)
+        fsdp = hasattr(tensor, "placements")
+        if split is not None:
+            prefix, module, short = split
+            names = [f"{prefix}.{module.expert_offset + e}.{short}" for e in range(tensor.shape[0])]
+            segments = whole_segments(name, tuple(tensor.shape), names)
+            writes = fsdp or not data_replicas or coords.edp == 0
+        else:
+            segments = whole_segments(name, self.canonical[name].shape)
+            if spec is not None and tensor.dim() > 0:
+                segments = tp_segments(segments, spec, coords.tp)
+            tp_ok = coords.tp % spec.replicas == 0 if spec is not None else coords.tp == 0
+            writes = tp_ok and (fsdp or not data_replicas or coords.dp == 0)
+        if fsdp:
+            (placement,) = tensor.placements
+            mesh = tensor.device_mesh
+            segments = fsdp_segments(segments, placement.dim, tensor.shape[placement.dim],
+                                     mesh.size(), mesh.get_local_rank())
+        return [dataclasses.replace(s, writes=writes) for s in segments]
+
+
+def model_shards(model, layout, canonical: dict) -> list[LocalTensor]:
+    """Every parameter and persistent buffer of this rank's model with its segments."""
+    shards = _Shards(model, layout, canonical)
+    out = [LocalTensor(n, local_tensor(p), shards.segments(n, p, True))
+           for n, p in model.named_parameters()]
+    return out + [LocalTensor(n, b, shards.segments(n, b, True))
+                  for n, b in persistent_buffers(model)]
+
+
+@torch.no_grad()
+def materialize(model, layout, canonical: dict, seed: int):
+    """Allocates this rank's shards on its device and draws their initial values: each
+    canonical tensor this rank touches is drawn once on the host (layers/init.py), its boxes
+    copied in, and dropped before the next (peak host memory: one canonical tensor)."""
+    from moepar.layers.init import draw, reset_rope_buffers
+    from .shards import local_view
+    model.to_empty(device=layout.device)
+    items = []
+    for lt in model_shards(model, layout, canonical):
+        lt.tensor.zero_()       # anything no segment covers (tp vocabulary padding) is zero
+        items += [(seg.name, lt.tensor, seg) for seg in lt.segments]
+    items.sort(key=lambda item: item[0])
+    name, full = None, None
+    for seg_name, tensor, seg in items:
+        if seg_name != name:
+            name, full = seg_name, draw(seg_name, canonical[seg_name], seed)
+        box = tuple(slice(o, o + n) for o, n in zip(seg.canon.offsets, seg.canon.sizes,
+                                                    strict=True))
+        local_view(tensor, seg).copy_(full[box])
+    reset_rope_buffers(model, model.cfg)
