@@ -2,7 +2,7 @@
 
     moepar train CONFIG.toml [--nproc N] [--section.key=value ...]
     moepar convert --from hf|moepar SRC --to moepar|hf DST [--arch NAME]
-    moepar bench moe-layer|dispatch|memory|pipeline [options]
+    moepar bench moe-layer|dispatch|memory|pipeline|checkpoint [options]
 
 Every command has `--help`. This file only dispatches; each command parses its own arguments.
 """
@@ -18,7 +18,7 @@ __all__ = ["main", "COMMANDS"]
 COMMANDS = {
     "train": ("moepar.launch", "train a model from a TOML config, on one or many processes"),
     "convert": ("moepar.hf.cli", "convert Hugging Face checkpoints to moepar and back"),
-    "bench": ("moepar.bench", "benchmarks: moe-layer, dispatch, memory, pipeline"),
+    "bench": ("moepar.bench", "benchmarks: moe-layer, dispatch, memory, pipeline, checkpoint"),
 }
 
 

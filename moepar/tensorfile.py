@@ -25,6 +25,7 @@ __all__ = ["TensorFileError", "BLOCK", "DTYPES", "dtype_name", "write_tensors", 
            "check_blocks", "read_box", "box_bytes", "file_digest"]
 
 BLOCK = 32 << 20                 # bytes per hashed block
+_READ = 1 << 20                  # bytes read at a time while hashing
 MAX_HEADER = 64 << 20            # a header larger than this is refused (no real file needs it)
 
 # safetensors dtype name -> (torch dtype, numpy carrier dtype of the same width)
@@ -50,14 +51,15 @@ def dtype_name(dtype: torch.dtype) -> str:
 class _HashingFile:
     """A file being written, hashed in BLOCK-sized blocks and as a whole."""
 
-    def __init__(self, path: str):
-        self.f = open(path, "wb")
+    def __init__(self, path: str | None):
+        self.f = open(path, "wb") if path is not None else None   # None: hash only
         self.whole, self.block, self.filled, self.blocks, self.size = (
             hashlib.sha256(), hashlib.sha256(), 0, [], 0)
 
     def write(self, data):
         view = memoryview(data).cast("B")
-        self.f.write(view)
+        if self.f is not None:
+            self.f.write(view)
         self.whole.update(view)
         self.size += len(view)
         while len(view):
@@ -72,9 +74,10 @@ class _HashingFile:
     def close(self) -> dict:
         if self.filled or not self.blocks:
             self.blocks.append(self.block.hexdigest())
-        self.f.flush()
-        os.fsync(self.f.fileno())
-        self.f.close()
+        if self.f is not None:
+            self.f.flush()
+            os.fsync(self.f.fileno())
+            self.f.close()
         return {"size": self.size, "sha256": self.whole.hexdigest(), "block": BLOCK,
                 "blocks": self.blocks}
 
@@ -162,17 +165,13 @@ def read_header(path: str) -> tuple[dict, int]:
 
 
 def file_digest(path: str) -> dict:
-    """The hash entry `write_tensors` returns, for a file written another way (JSON files)."""
-    out = {"size": 0, "sha256": hashlib.sha256(), "block": BLOCK, "blocks": []}
+    """The hash entry `write_tensors` returns, for a file written another way (JSON files,
+    conversion output), computed reading 1 MiB at a time."""
+    out = _HashingFile(None)
     with open(path, "rb") as f:
-        while chunk := f.read(BLOCK):
-            out["size"] += len(chunk)
-            out["sha256"].update(chunk)
-            out["blocks"].append(hashlib.sha256(chunk).hexdigest())
-    if not out["blocks"]:
-        out["blocks"].append(hashlib.sha256(b"").hexdigest())
-    out["sha256"] = out["sha256"].hexdigest()
-    return out
+        while chunk := f.read(_READ):
+            out.write(chunk)
+    return out.close()
 
 
 def check_blocks(path: str, digest, ranges=None):
@@ -199,7 +198,11 @@ def check_blocks(path: str, digest, ranges=None):
     with open(path, "rb") as f:
         for b in wanted:
             f.seek(b * block)
-            if hashlib.sha256(f.read(block)).hexdigest() != blocks[b]:
+            digest, left = hashlib.sha256(), block
+            while left and (chunk := f.read(min(left, _READ))):   # 1 MiB in memory at a time
+                digest.update(chunk)
+                left -= len(chunk)
+            if digest.hexdigest() != blocks[b]:
                 raise TensorFileError(f"{name} does not match its SHA-256 at bytes "
                                       f"[{b * block}, {min((b + 1) * block, size)}) "
                                       "(corrupt or modified)")

@@ -6,6 +6,7 @@
 | dispatch   | ep.py        | bytes on the wire and all-to-all time of each EP dispatcher          |
 | memory     | memory.py    | bytes per rank of parameters, gradients, optimizer state vs formula  |
 | pipeline   | pipeline.py  | measured bubble and activation memory per pipeline stage             |
+| checkpoint | checkpoint.py| build, save and load seconds and peak memory per rank vs its shard   |
 
 Benchmarks that need several processes start them with torch's launcher and re-run the same
 command line in each worker; rank 0 prints.
@@ -78,6 +79,17 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--repeats", type=int, default=5, help="timed steps")
     p.add_argument("--warmup", type=int, default=2, help="untimed steps first")
     p.add_argument("--json", action="store_true", help="print one JSON object")
+    p = sub.add_parser("checkpoint", help="build/save/load time and peak memory per rank",
+                       description="Builds a model of --size-gb on --nproc local processes, "
+                                   "trains one step, saves and loads a checkpoint; per rank the "
+                                   "seconds and peak resident growth of each phase against its "
+                                   "shard bytes.")
+    p.add_argument("--nproc", type=int, default=4, help="local processes (gloo)")
+    p.add_argument("--size-gb", type=float, default=1.0, help="total model size (float32)")
+    p.add_argument("--ep", type=int, default=0, help="expert-parallel degree (0: --nproc)")
+    p.add_argument("--zero", type=int, choices=[0, 1, 2, 3], default=0, help="ZeRO stage")
+    p.add_argument("--dir", default=None, help="where to write the checkpoint (default: /tmp)")
+    p.add_argument("--json", action="store_true", help="print one JSON object")
     return parser
 
 
@@ -104,6 +116,14 @@ def main(argv: list[str]) -> int:
         result = pipeline.worker_main(args)
         if _rank0():
             print(json.dumps(result), flush=True) if args.json else pipeline.print_result(result)
+        return 0
+    if args.what == "checkpoint":
+        from moepar.bench import checkpoint
+        if args.nproc > 1 and not _launched():
+            return _relaunch(args.nproc, argv)
+        result = checkpoint.worker_main(args)
+        if _rank0():
+            print(json.dumps(result), flush=True) if args.json else checkpoint.print_result(result)
         return 0
     if args.what == "memory":
         from moepar.bench import memory
