@@ -37,7 +37,7 @@ from moepar.parallel.shards import local_view
 from moepar.tensorfile import (DTYPES, TensorFileError, box_bytes, check_blocks, dtype_name,
                                file_digest, read_box, read_header, write_tensors)
 
-__all__ = ["save_checkpoint", "load_checkpoint", "latest_checkpoint", "complete_steps",
+__all__ = ["save_checkpoint", "PendingSave", "load_checkpoint", "latest_checkpoint", "complete_steps",
            "verify_checkpoint", "commit", "recover_interrupted", "checkpoint_step",
            "CheckpointError", "read_canonical", "canonical_names"]
 
@@ -139,65 +139,122 @@ def _rng_state() -> dict:
 
 def save_checkpoint(ckpt_root: str, step: int, engine, state: dict, keep: int = 0) -> str:
     """Writes checkpoints/step_<step> atomically (a collective: every rank calls it)."""
-    layout = engine.layout
-    rank, world = layout.rank, _world(layout)
-    final = os.path.join(ckpt_root, f"step_{step}")
-    tmp = os.path.join(ckpt_root, f".step_{step}.tmp")
-    if rank == 0:
-        shutil.rmtree(tmp, ignore_errors=True)
-        os.makedirs(tmp)
-    _barrier(layout)
-    tag, stage = f"r{rank:05d}", _HostStaging()
-    canonical = engine.canonical
-    written = {"files": {}, "model": {}, "optimizer": {}}
-    model_file, optim_file, rng_file = (f"{kind}-{tag}.safetensors"
-                                        for kind in ("model", "optimizer", "rng"))
-    entries, written["model"] = _plan_writes(engine.model_shards(), canonical, model_file, stage)
-    if entries:
-        written["files"][model_file] = write_tensors(os.path.join(tmp, model_file), entries)
-    moments, steps = engine.optimizer_shards()
-    entries, written["optimizer"] = _plan_writes(
-        moments, canonical, optim_file, stage, prefix=lambda lt: lt.name.split("/", 1)[0] + "/")
-    for lt in moments:       # one step count per canonical tensor, with the box at its origin
-        for seg in lt.segments:
-            if seg.writes and not any(seg.canon.offsets) and lt.name.startswith("exp_avg/"):
-                key = f"step/{seg.name}"
-                entries.append((key, torch.float32, (),
-                                lambda t=steps[lt.name]: t.detach().float().cpu().reshape(())))
-                written["optimizer"][key] = [{"file": optim_file, "key": key, "offsets": [],
-                                              "sizes": []}]
-    if entries:
-        written["files"][optim_file] = write_tensors(os.path.join(tmp, optim_file), entries)
-    written["files"][rng_file] = write_tensors(
-        os.path.join(tmp, rng_file), [(k, v.dtype, tuple(v.shape), lambda v=v: v)
-                                      for k, v in _rng_state().items()])
-    everyone = _gather_to_first(layout, written)
-    error = None
-    if rank == 0:
-        index = {"format": FORMAT, "model": {}, "optimizer": {}}
-        hashes = {}
-        for part in everyone:
-            hashes.update(part["files"])
-            for section in ("model", "optimizer"):
-                for name, pieces in part[section].items():
-                    index[section].setdefault(name, []).extend(pieces)
-        error = _check_coverage(index, canonical, step)
-        if error is None:
-            index = _describe(index, canonical)
-            for name, obj in ((INDEX, index), (STATE, state)):
-                with open(os.path.join(tmp, name), "w") as f:
-                    json.dump(obj, f, indent=1, sort_keys=True)
-            commit(tmp, final, step, world, known_hashes=hashes)
-            if keep:
-                # Keep this step and the newest keep-1 before it. Never touch later steps
-                # (another branch of the run) and never the one just written.
-                older = [s for s in complete_steps(ckpt_root) if s < step]
-                for old_step in older[:max(len(older) - (keep - 1), 0)]:
-                    shutil.rmtree(os.path.join(ckpt_root, f"step_{old_step}"), ignore_errors=True)
-    error = _broadcast(layout, error)
-    if error:
-        raise CheckpointError(error)
-    return final
+    return PendingSave(ckpt_root, step, engine, state, keep, background=False).finish()
+
+
+class PendingSave:
+    """One checkpoint being written. With `background`, every box this rank writes is first
+    copied to host memory (the only time training waits; `stall_s`), then a thread writes and
+    hashes the files while training goes on; `finish` (a collective, called by every rank once
+    all are `done`) commits. Without it, boxes stream to the files one at a time (no snapshot)
+    and `finish` follows at once."""
+
+    def __init__(self, ckpt_root: str, step: int, engine, state: dict, keep: int = 0,
+                 background: bool = False):
+        import threading
+        import time
+        start = time.perf_counter()
+        self.root, self.step, self.engine, self.state, self.keep = ckpt_root, step, engine, state, keep
+        layout = engine.layout
+        self.final = os.path.join(ckpt_root, f"step_{step}")
+        self.tmp = os.path.join(ckpt_root, f".step_{step}.tmp")
+        if layout.rank == 0:
+            shutil.rmtree(self.tmp, ignore_errors=True)
+            os.makedirs(self.tmp)
+        _barrier(layout)
+        self.files, self.written = self._plan(background)
+        self.error, self.thread = None, None
+        if background:
+            self.thread = threading.Thread(target=self._write, name=f"checkpoint-{step}",
+                                           daemon=True)
+            self.thread.start()
+        else:
+            self._write()
+        self.stall_s = time.perf_counter() - start
+
+    def _plan(self, snapshot: bool):
+        """({file: safetensors entries}, the index entries this rank contributes)."""
+        engine, tag = self.engine, f"r{self.engine.layout.rank:05d}"
+        stage = _HostStaging()
+        if snapshot:     # own copies now: the tensors change as training goes on
+            stage = lambda t, real=stage: real(t).clone()   # noqa: E731
+        canonical = engine.canonical
+        written = {"files": {}, "model": {}, "optimizer": {}}
+        model_file, optim_file, rng_file = (f"{kind}-{tag}.safetensors"
+                                            for kind in ("model", "optimizer", "rng"))
+        files = {}
+        files[model_file], written["model"] = _plan_writes(engine.model_shards(), canonical,
+                                                           model_file, stage)
+        moments, steps = engine.optimizer_shards()
+        entries, written["optimizer"] = _plan_writes(
+            moments, canonical, optim_file, stage, prefix=lambda lt: lt.name.split("/", 1)[0] + "/")
+        for lt in moments:       # one step count per canonical tensor, with the box at its origin
+            for seg in lt.segments:
+                if seg.writes and not any(seg.canon.offsets) and lt.name.startswith("exp_avg/"):
+                    key = f"step/{seg.name}"
+                    entries.append((key, torch.float32, (),
+                                    lambda t=steps[lt.name]: t.detach().float().cpu().reshape(())))
+                    written["optimizer"][key] = [{"file": optim_file, "key": key, "offsets": [],
+                                                  "sizes": []}]
+        files[optim_file] = entries
+        files[rng_file] = [(k, v.dtype, tuple(v.shape), lambda v=v: v)
+                           for k, v in _rng_state().items()]
+        if snapshot:
+            files = {f: [(k, d, s, lambda v=produce(): v) for k, d, s, produce in entries]
+                     for f, entries in files.items()}
+        return files, written
+
+    def _write(self):
+        try:
+            for file, entries in self.files.items():
+                if entries:
+                    self.written["files"][file] = write_tensors(os.path.join(self.tmp, file),
+                                                                entries)
+        except Exception as e:   # reported by finish(), on every rank, through rank 0
+            self.error = f"rank {self.engine.layout.rank} could not write its checkpoint files: {e}"
+        self.files = None        # the snapshot goes as soon as it is on disk
+
+    def done(self) -> bool:
+        """This rank's files are written (or failed); no collective."""
+        return self.thread is None or not self.thread.is_alive()
+
+    def finish(self) -> str:
+        """Commits: rank 0 checks every rank's pieces tile the model, writes the index, state and
+        manifest, renames; all ranks raise the same CheckpointError otherwise (collective)."""
+        if self.thread is not None:
+            self.thread.join()
+        layout, step = self.engine.layout, self.step
+        everyone = _gather_to_first(layout, dict(self.written, error=self.error))
+        error = None
+        if layout.rank == 0:
+            error = next((part["error"] for part in everyone if part["error"]), None)
+            index, hashes = {"format": FORMAT, "model": {}, "optimizer": {}}, {}
+            for part in everyone:
+                hashes.update(part["files"])
+                for section in ("model", "optimizer"):
+                    for name, pieces in part[section].items():
+                        index[section].setdefault(name, []).extend(pieces)
+            error = error or _check_coverage(index, self.engine.canonical, step)
+            if error is None:
+                index = _describe(index, self.engine.canonical)
+                for name, obj in ((INDEX, index), (STATE, self.state)):
+                    with open(os.path.join(self.tmp, name), "w") as f:
+                        json.dump(obj, f, indent=1, sort_keys=True)
+                commit(self.tmp, self.final, step, _world(layout), known_hashes=hashes)
+                self._prune()
+        error = _broadcast(layout, error)
+        if error:
+            raise CheckpointError(error)
+        return self.final
+
+    def _prune(self):
+        """Keeps this step and the newest keep-1 before it. Never touches later steps (another
+        branch of the run) and never the one just written."""
+        if not self.keep:
+            return
+        older = [s for s in complete_steps(self.root) if s < self.step]
+        for old_step in older[:max(len(older) - (self.keep - 1), 0)]:
+            shutil.rmtree(os.path.join(self.root, f"step_{old_step}"), ignore_errors=True)
 
 
 def _volume_ok(pieces: list, shape) -> bool:

@@ -159,6 +159,7 @@ class OutputConfig:
     resume_from: str = ""         # or from this checkpoint directory
     init_from: str = ""           # start from these weights (e.g. a converted HF model): step 0, new optimizer
     overwrite: bool = False       # allow a fresh run in a dir that already holds checkpoints
+    async_checkpoint: bool = False  # copy to host memory, write in the background while training
     tensorboard: bool = True
 
     def __post_init__(self):

@@ -20,8 +20,8 @@ import time
 
 import torch
 
-from moepar.checkpoint import (checkpoint_step, complete_steps, latest_checkpoint,
-                               load_checkpoint, recover_interrupted, save_checkpoint)
+from moepar.checkpoint import (PendingSave, checkpoint_step, complete_steps, latest_checkpoint,
+                               load_checkpoint, recover_interrupted)
 from moepar.config import RunConfig, to_dict, to_toml
 from moepar.data import WindowSampler, check_token_range, load_tokens
 from moepar.launch import init_process_group, select_device
@@ -226,11 +226,43 @@ class Trainer:
             return None
         return self.engine.expert_bias_LE(self.cfg.model.num_experts)
 
-    def save(self) -> str:
+    def save(self, background: bool = False) -> str:
+        """Checkpoints this step (a collective). `background`: training resumes once the boxes
+        are copied to host memory; `poll_save` commits when every rank has written its files.
+        A save first finishes the one still in flight."""
+        self.finish_save()
         state = {"step": self.step, "data_position": self.sampler.position,
                  "config": to_dict(self.cfg), "layout": self.dims.describe()}
-        return save_checkpoint(self.ckpt_root, self.step, self.engine, state,
-                               keep=self.cfg.run.keep_checkpoints)
+        pending = PendingSave(self.ckpt_root, self.step, self.engine, state,
+                              keep=self.cfg.run.keep_checkpoints, background=background)
+        if background:
+            self.pending_save = pending
+            self.log(f"checkpoint step {self.step}: training waited {pending.stall_s:.2f} s "
+                     "(copy to host memory); writing in the background")
+            return pending.final
+        path = pending.finish()
+        self.log(f"saved {path} in {pending.stall_s:.2f} s")
+        return path
+
+    pending_save = None
+
+    def poll_save(self):
+        """Commits a background save once every rank has written its files (one small
+        all-reduce per step while a save is in flight; no waiting)."""
+        if self.pending_save is None:
+            return
+        done = torch.tensor([float(self.pending_save.done())], device=self.device)
+        if self.dims.world_size > 1:
+            import torch.distributed as dist
+            dist.all_reduce(done, op=dist.ReduceOp.MIN)
+        if float(done) == 1.0:
+            self.finish_save()
+
+    def finish_save(self):
+        """Waits for a background save and commits it (a collective)."""
+        pending, self.pending_save = self.pending_save, None
+        if pending is not None:
+            self.log(f"saved {pending.finish()} (in the background)")
 
     def run(self) -> list[dict]:
         """Trains to train.steps, logging and checkpointing; returns this call's records."""
@@ -257,11 +289,11 @@ class Trainer:
                 if cfg.run.log_every and (self.step % cfg.run.log_every == 0 or self.step == 1
                                           or self.step == cfg.train.steps):
                     self.log(progress_line(record, cfg.train.steps))
+                self.poll_save()
                 every = cfg.run.checkpoint_every
                 if self.step == cfg.train.steps or (every and self.step % every == 0):
-                    path = self.save()
-                    if self.step == cfg.train.steps:
-                        self.log(f"saved {path}")
+                    self.save(background=cfg.run.async_checkpoint)
+            self.finish_save()
         finally:
             if writer is not None:
                 writer.close()

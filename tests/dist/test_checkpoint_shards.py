@@ -106,3 +106,22 @@ def test_loading_at_another_layout_reads_only_its_boxes(worlds, tmp_path, monkey
         touched = [(f, len(b), n) for f, b, n in blocks if f.startswith("model-")]
         assert touched and all(t < n for _, t, n in touched), touched
     assert expert > 0.5 * total                # experts dominate: a rank reading all would fail
+
+
+def case_run(run_dir: str, overrides: list[str]):
+    records = Trainer(tiny_config(run_dir, *overrides), log=quiet).run()
+    dist.barrier()
+    return [r["loss"] for r in records]
+
+
+def test_background_save_under_expert_parallelism(worlds, tmp_path):
+    """ep=2 with run.async_checkpoint: the same losses, and checkpoints equal to blocking ones."""
+    args = ["--parallel.ep=2", "--parallel.zero=1", "--train.steps=3", "--run.checkpoint_every=1"]
+    blocking = worlds(2).run(case_run, str(tmp_path / "sync"), args, timeout=120)
+    background = worlds(2).run(case_run, str(tmp_path / "async"),
+                               [*args, "--run.async_checkpoint=true"], timeout=120)
+    assert background == blocking
+    for step in (2, 3):
+        want = dict(checkpoint.read_canonical(str(tmp_path / "sync" / "checkpoints" / f"step_{step}")))
+        got = dict(checkpoint.read_canonical(str(tmp_path / "async" / "checkpoints" / f"step_{step}")))
+        assert want.keys() == got.keys() and all(want[n].equal(got[n]) for n in want)

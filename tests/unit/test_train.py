@@ -211,3 +211,26 @@ def test_deepseek_style_model_trains(tmp_path):
     records = trainer.run()
     assert all(math.isfinite(r["loss"]) and not r["skipped"] for r in records)
     assert trainer.expert_bias_LE().abs().sum() > 0    # the bias moved with the load
+
+
+def test_async_checkpoint_holds_the_step_it_was_taken_at(tmp_path):
+    """A background save snapshots the step it is taken at while training goes on: its files
+    equal a blocking save's, bit for bit, and the run resumes from it exactly."""
+    from moepar.checkpoint import read_canonical
+    args = ["--train.steps=4", "--run.checkpoint_every=2", "--router.bias_update_rate=0.01"]
+    blocking = Trainer(tiny_config(tmp_path / "sync", *args), log=quiet).run()
+    logged = []
+    background = Trainer(tiny_config(tmp_path / "async", *args, "--run.async_checkpoint=true"),
+                         log=logged.append)
+    assert [r["loss"] for r in background.run()] == [r["loss"] for r in blocking]
+    assert any("writing in the background" in line for line in logged)
+    for step in (2, 4):
+        want = dict(read_canonical(str(tmp_path / "sync" / "checkpoints" / f"step_{step}")))
+        got = dict(read_canonical(str(tmp_path / "async" / "checkpoints" / f"step_{step}")))
+        assert want.keys() == got.keys()
+        for name in want:
+            assert torch.equal(want[name], got[name]), (step, name)
+    resumed = Trainer(tiny_config(tmp_path / "async", *args, "--train.steps=4",
+                                  f"--run.resume_from={tmp_path}/async/checkpoints/step_2",
+                                  "--run.overwrite=true"), log=quiet)
+    assert [r["loss"] for r in resumed.run()] == [r["loss"] for r in blocking[2:]]
