@@ -65,11 +65,12 @@ def parallelize(model, layout: Layout, options: Options) -> ParallelModel:
                                 options.compute_dtype)
     handle = ParallelModel(model, layout, canonical, moe_layer_ids, p.zero, options.compute_dtype,
                            options.num_micro, options.vocab_size)
-    if on_meta and not options.materialize:
-        return handle
-    if on_meta:
+    if on_meta and options.materialize:
         materialize(model, layout, canonical, options.seed)
     sync, optimizer = data_parallel(model, layout, p, options.make_optimizer, fsdp)
+    if on_meta:       # shapes only (memory simulation): nothing to run
+        handle.attach(sync, optimizer, None)
+        return handle
     if dims.pp > 1:
         runner = PipelineRunner(model, layout.group("pp"), p.pp_schedule, options.num_micro,
                                 loss_fn=handle.loss_fn, autocast=handle.autocast)

@@ -100,8 +100,8 @@ class ParallelDims:
         """
         import torch.distributed as dist
         from torch.distributed.device_mesh import init_device_mesh
-        key = (id(dist.distributed_c10d._get_default_group()), device_type, self.pp, self.dp,
-               self.tp, self.ep)
+        key = (id(dist.distributed_c10d._get_default_group()), dist.get_rank(), device_type,
+               self.pp, self.dp, self.tp, self.ep)
         if key not in _MESHES:
             dense = init_device_mesh(device_type, (self.pp, self.dp, self.tp),
                                      mesh_dim_names=("pp", "dp", "tp"))

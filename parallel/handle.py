@@ -110,7 +110,8 @@ class ParallelModel:
         self.sync, self.optimizer, self.runner = sync, optimizer, runner
         self._tp_split = (tp_norm_parameters(self.model, self.tp_group)
                           if self.tp_group is not None else None)
-        self._final_backward = [a for a in runner.order if a.kind == "B"][-1]
+        self._final_backward = None if runner is None else [
+            a for a in runner.order if a.kind == "B"][-1]
 
     # ---- the step ----------------------------------------------------------------------------
     def autocast(self):

@@ -15,6 +15,7 @@ command line in each worker; rank 0 prints.
 import argparse
 import json
 import os
+import sys
 
 __all__ = ["main", "build_parser"]
 
@@ -62,6 +63,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--kv-heads", type=int, default=0, help="key/value heads (0: --heads)")
     p.add_argument("--experts", type=int, default=8, help="routed experts")
     p.add_argument("--micro-batch", type=int, default=1, help="sequences per micro-batch")
+    p.add_argument("--simulate", action="store_true",
+                   help="no processes: build --config's model on the meta device for sampled "
+                        "ranks of a world of --world ranks (fake process group) and count bytes")
+    p.add_argument("--world", type=int, default=0, help="world size to simulate")
+    p.add_argument("--config", help="the run config to simulate (its [parallel] layout)")
+    p.add_argument("--ranks", default="", help="ranks to simulate, e.g. 0,17,63 (default: the "
+                                              "first rank of every stage and the last rank)")
     p.add_argument("--json", action="store_true", help="print one JSON object")
     p = sub.add_parser("pipeline", help="measured bubble and activation memory per stage",
                        description="Trains a few steps on --pp local processes and reports per "
@@ -125,6 +133,8 @@ def main(argv: list[str]) -> int:
         if _rank0():
             print(json.dumps(result), flush=True) if args.json else checkpoint.print_result(result)
         return 0
+    if args.what == "memory" and args.simulate:
+        return _simulate(parser, args)
     if args.what == "memory":
         from moepar.bench import memory
         if args.dp * args.tp > 1 and not _launched():
@@ -154,4 +164,20 @@ def main(argv: list[str]) -> int:
     result = bench_moe_layer(args.tokens, args.dim, args.ffn_dim, args.experts, args.top_k,
                              args.dtype, args.repeats, args.warmup)
     print(json.dumps(result)) if args.json else print_layer(result, args)
+    return 0
+
+
+def _simulate(parser, args) -> int:
+    from moepar.bench.simulate import print_result, simulate
+    from moepar.config import load_config
+    if not args.config or args.world < 1:
+        parser.error("--simulate needs --config FILE and --world N")
+    try:
+        cfg = load_config(args.config)
+        ranks = [int(r) for r in args.ranks.split(",") if r.strip()] or None
+        result = simulate(cfg, args.world, ranks)
+    except ValueError as e:
+        print(f"moepar: {e}", file=sys.stderr)
+        return 2
+    print(json.dumps(result)) if args.json else print_result(result)
     return 0

@@ -34,7 +34,13 @@ def nproc_of(example: pathlib.Path) -> list[str]:
     return ["--nproc", found.group(1)] if found else []
 
 
-@pytest.mark.parametrize("example", EXAMPLES, ids=lambda p: p.name)
+def simulate_only(example: pathlib.Path) -> bool:
+    """Configs too large for a CPU say so; tests/unit/test_simulate.py builds them on meta."""
+    return "moepar: simulate-only" in example.read_text()
+
+
+@pytest.mark.parametrize("example", [e for e in EXAMPLES if not simulate_only(e)],
+                         ids=lambda p: p.name)
 def test_example_trains(example, tmp_path):
     result = moepar("train", str(example), *nproc_of(example), "--train.steps=3",
                     "--train.warmup_steps=1", "--run.log_every=1", f"--run.dir={tmp_path}")
@@ -184,3 +190,17 @@ def test_hf_convert_train_export_through_the_cli(tmp_path):
         assert result.returncode == 0, (args[0], result.stderr[-3000:])
     model = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "back")
     assert model.config.model_type == "mixtral" and model.config.num_local_experts == 4
+
+
+def test_simulate_only_examples_are_simulated():
+    tested = pathlib.Path(__file__).resolve().parents[1] / "unit" / "test_simulate.py"
+    for example in filter(simulate_only, EXAMPLES):
+        assert example.name in tested.read_text(), example.name
+
+
+def test_bench_memory_simulate_json():
+    result = moepar("bench", "memory", "--simulate", "--world", "64", "--config",
+                    str(ROOT / "examples" / "mixtral_8x7b.toml"), "--ranks", "0", "--json")
+    assert result.returncode == 0, errors(result)
+    record = json.loads(result.stdout)
+    assert record["ranks"][0]["rank"] == 0 and record["total_params"] > 46e9

@@ -1,0 +1,1 @@
+"""Planning a run before any GPU is rented: closed-form memory per rank (memory.py)."""

@@ -1,0 +1,138 @@
+"""Closed-form bytes per rank of parameters, gradients and optimizer state, for any model config
+and layout: the numbers `moepar bench memory --simulate` measures on the meta device, and the
+planner's ground truth.
+
+Legend: V vocabulary (Vp padded to a multiple of tp), D model dim, H/G query/kv heads, d head
+dim, F dense hidden, Fe expert hidden, Fs shared hidden, E experts, L layers; N = dp (dense) or
+edp (experts) for ZeRO.
+
+| tensor (per layer)         | elements                               | split over tp            |
+|----------------------------|----------------------------------------|--------------------------|
+| attn_norm, ffn_norm        | D each                                 | no                       |
+| q, o (GQA)                 | D*H*d each (+ H*d bias on q)           | by heads                 |
+| k, v (GQA)                 | D*G*d each (+ G*d biases)              | by heads; 1 head per rank when G < tp |
+| q/k norms                  | "head": d each; "full": H*d, G*d       | "full" like q and k      |
+| MLA q (or q_a, q_a_norm, q_b) | D*H*(n+r) (or D*Cq + Cq + Cq*H*(n+r)) | q_proj / q_b by heads    |
+| MLA kv_a, kv_a_norm, kv_b, o | D*(Ckv+r), Ckv, Ckv*H*(n+v), H*v*D     | kv_b and o by heads      |
+| dense FFN                  | 3*D*F (SwiGLU), 2*D*F (GELU)           | by hidden units          |
+| router                     | E*D                                    | no                       |
+| routed experts             | E * 3*D*Fe (SwiGLU)                    | no: E/ep per EP rank     |
+| shared experts (+ gate)    | 3*D*Fs (+ D)                           | no                       |
+| embedding, head, norm      | V*D, V*D (unless tied), D              | embedding/head: Vp/tp rows |
+
+Per rank: the layers of its pipeline chunks (embedding with chunk 0, norm and head with the
+last). Bytes: parameters P = 4 (8 for float64; bfloat16 training keeps float32 parameters),
+gradients the same, AdamW state 2P. ZeRO shards over N ranks: 1 the optimizer state, 2 also
+gradients, 3 also parameters. Stages 1 and 2 pad each flat bucket to a multiple of N (at most
+N-1 elements per bucket, ignored here); stage 3 (FSDP2) chunks each tensor along its first
+dimension that N divides (else dim 0), in torch.chunk sizes, computed here exactly.
+"""
+
+import math
+
+from moepar.parallel.pipeline import rank_chunks, split_layers
+from moepar.parallel.shards import fsdp_range
+
+__all__ = ["tensor_shapes", "rank_memory", "param_count"]
+
+
+def _attention(cfg, tp: int) -> list[tuple[tuple, bool]]:
+    """[(local shape, sharded over tp)] of one layer's attention on a tp rank."""
+    D, H = cfg.dim, cfg.num_heads
+    out = []
+    if cfg.attention == "mla":
+        n, r, v = cfg.qk_nope_head_dim, cfg.qk_rope_head_dim, cfg.v_head_dim
+        if cfg.q_lora_rank:
+            out += [((cfg.q_lora_rank, D), False), ((cfg.q_lora_rank,), False),
+                    ((H * (n + r) // tp, cfg.q_lora_rank), True)]
+        else:
+            out += [((H * (n + r) // tp, D), True)]
+        out += [((cfg.kv_lora_rank + r, D), False), ((cfg.kv_lora_rank,), False),
+                ((H * (n + v) // tp, cfg.kv_lora_rank), True), ((D, H * v // tp), True)]
+        return out
+    d, G = cfg.head_dim_resolved, cfg.num_kv_heads
+    kv_heads = G // tp if G >= tp else 1
+    out += [((H * d // tp, D), True), ((kv_heads * d, D), True), ((kv_heads * d, D), True),
+            ((D, H * d // tp), True)]
+    if cfg.attention_bias:
+        out += [((H * d // tp,), True), ((kv_heads * d,), True), ((kv_heads * d,), True)]
+    if cfg.qk_norm == "head":
+        out += [((d,), False), ((d,), False)]
+    elif cfg.qk_norm == "full":
+        out += [((H * d // tp,), True), ((kv_heads * d,), True)]
+    return out
+
+
+def tensor_shapes(cfg, router=None, tp: int = 1) -> dict:
+    """{'root' | layer index: [(local shape, kind)]} on a tp rank; kind 'dense' or 'expert'
+    (expert shapes are whole stacks [E, ...]; EP divides them)."""
+    D = cfg.dim
+    vocab = -(-cfg.vocab_size // tp)
+    out = {"first": [((vocab, D), "dense")],
+           "last": [((D,), "dense")] + ([] if cfg.tie_embeddings else [((vocab, D), "dense")])}
+    width = 2 if cfg.activation == "swiglu" else 1
+    for i in range(cfg.num_layers):
+        shapes = [((D,), "dense"), ((D,), "dense")]
+        shapes += [(s, "dense") for s, _ in _attention(cfg, tp)]
+        if cfg.is_moe_layer(i):
+            E, Fe = cfg.num_experts, cfg.moe_ffn_dim
+            shapes += [((E, D), "dense"), ((E, D, width * Fe), "expert"), ((E, Fe, D), "expert")]
+            if cfg.num_shared_experts:
+                Fs = cfg.num_shared_experts * (cfg.shared_ffn_dim or Fe)
+                shapes += [((width * Fs, D), "dense"), ((D, Fs), "dense")]
+                if cfg.shared_gate:
+                    shapes += [((1, D), "dense")]
+        else:
+            F = cfg.ffn_dim
+            shapes += [((width * F // tp, D), "dense"), ((D, F // tp), "dense")]
+        out[i] = shapes
+    return out
+
+
+def param_count(cfg) -> dict:
+    """Whole-model parameter counts: total, dense, expert, and active per token."""
+    shapes = tensor_shapes(cfg)
+    dense = sum(math.prod(s) for group in shapes.values() for s, kind in group if kind == "dense")
+    expert = sum(math.prod(s) for group in shapes.values() for s, kind in group if kind == "expert")
+    active = dense + expert * cfg.top_k // cfg.num_experts
+    return {"total": dense + expert, "dense": dense, "expert": expert, "active": active}
+
+
+def _fsdp_local(shape: tuple, world: int, index: int) -> int:
+    """Elements of FSDP2's chunk of a tensor on rank `index` of `world` (zero 3)."""
+    dim = next((d for d in range(len(shape)) if shape[d] % world == 0), 0)
+    start, stop = fsdp_range(shape[dim], world, index)
+    return math.prod(shape) // shape[dim] * (stop - start) if shape[dim] else 0
+
+
+def rank_memory(cfg, dims, rank: int, zero: int = 0, element_bytes: int = 4,
+                pp_virtual: int = 1, pp_layers: list[int] | None = None) -> dict:
+    """Bytes of parameters, gradients and AdamW state on `rank`, and its element counts."""
+    coords = dims.coords(rank)
+    shapes = tensor_shapes(cfg, tp=dims.tp)
+    counts = split_layers(cfg.num_layers, dims.pp, pp_virtual, pp_layers or None)
+    chunks = rank_chunks(coords.pp, dims.pp, pp_virtual)
+    layers = [i for c in chunks for i in range(sum(counts[:c]), sum(counts[:c + 1]))]
+    groups = [shapes[i] for i in layers]
+    if 0 in chunks:
+        groups.append(shapes["first"])
+    if dims.pp * pp_virtual - 1 in chunks:
+        groups.append(shapes["last"])
+    dense = expert = 0
+    dense_shard = expert_shard = 0.0
+    for group in groups:
+        for shape, kind in group:
+            if kind == "expert":
+                shape = (shape[0] // dims.ep,) + shape[1:]
+                n, world, index = math.prod(shape), dims.edp, coords.edp
+                expert += n
+                expert_shard += _fsdp_local(shape, world, index) if zero == 3 else n / world
+            else:
+                n, world, index = math.prod(shape), dims.dp, coords.dp
+                dense += n
+                dense_shard += _fsdp_local(shape, world, index) if zero == 3 else n / world
+    full, shard = dense + expert, dense_shard + expert_shard
+    return {"dense_params": dense, "expert_params": expert,
+            "params": element_bytes * (shard if zero == 3 else full),
+            "grads": element_bytes * (shard if zero >= 2 else full),
+            "optimizer": 2 * element_bytes * (shard if zero >= 1 else full)}
