@@ -68,7 +68,7 @@ def parallelize(model, layout: Layout, options: Options) -> ParallelModel:
     if on_meta and options.materialize:
         materialize(model, layout, canonical, options.seed)
     sync, optimizer = data_parallel(model, layout, p, options.make_optimizer, fsdp)
-    if on_meta:       # shapes only (memory simulation): nothing to run
+    if on_meta and not options.materialize:   # shapes only (memory simulation): nothing to run
         handle.attach(sync, optimizer, None)
         return handle
     if dims.pp > 1:
