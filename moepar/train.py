@@ -21,7 +21,7 @@ import torch.distributed as dist
 from moepar.checkpoint import (Owner, checkpoint_step, complete_steps, latest_checkpoint,
                                load_checkpoint, recover_interrupted, save_checkpoint)
 from moepar.config import RunConfig, to_dict, to_toml
-from moepar.data import WindowSampler, check_token_range, load_tokens
+from moepar.data import build_sampler, check_same_dataset
 from moepar.layers import TopKRouter, Transformer
 from moepar.metrics import MetricsWriter, StepStats
 from moepar.parallel import ParallelDims, data_parallel, parallelize
@@ -108,10 +108,7 @@ class Trainer:
         self.log = log if self.rank == 0 else (lambda _msg: None)
         self.device = _device(cfg)
         # Data errors surface here, on every rank, before any process group exists.
-        tokens = load_tokens(cfg.data)
-        check_token_range(tokens, cfg.model.vocab_size, f"data.source={cfg.data.source}")
-        self.sampler = WindowSampler(tokens, tcfg.seq_len, tcfg.micro_batch_size, tcfg.seed,
-                                     cfg.model.vocab_size, name=f"data.source={cfg.data.source}")
+        self.sampler = build_sampler(cfg)
         self.meshes = None
         if world_size > 1:
             if not dist.is_initialized():
@@ -161,6 +158,7 @@ class Trainer:
         self.step = 0
         if resume_path:
             state = load_checkpoint(resume_path, self.model, self.optimizer, self.owner)
+            check_same_dataset(state.get("dataset"), self.sampler.fingerprint)
             self.step, self.sampler.position = state["step"], state["data_position"]
             self.log(f"resumed from {resume_path} at step {self.step}")
         elif cfg.run.init_from:
@@ -321,7 +319,7 @@ class Trainer:
 
     def save(self) -> str:
         state = {"step": self.step, "data_position": self.sampler.position, "config": to_dict(self.cfg),
-                 "layout": self.dims.describe()}
+                 "layout": self.dims.describe(), "dataset": self.sampler.fingerprint}
         return save_checkpoint(self.ckpt_root, self.step, self.model, self.optimizer, state,
                                keep=self.cfg.run.keep_checkpoints, owner=self.owner)
 
