@@ -135,7 +135,7 @@ class DataConfig:
     source: str = "builtin"   # builtin (Python's own docs, no download), text (a UTF-8 file), tokens
     path: str = ""            # text: the file; tokens: a prepared folder, or a raw/.npy token file
     paths: list[str] = field(default_factory=list)   # tokens: several folders/files to blend
-    weights: list[float] = field(default_factory=list)   # per data.paths entry; empty: by size
+    weights: list[float] = field(default_factory=list)   # share of each data.paths entry; [] = by size
     token_dtype: str = "uint16"  # for raw token files
 
     def __post_init__(self):

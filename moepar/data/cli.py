@@ -36,11 +36,12 @@ def build_parser() -> argparse.ArgumentParser:
                    "JSON object per line); .txt.gz too")
     p.add_argument("--out", required=True, metavar="DIR", help="the folder to write (must not "
                    "exist, unless --overwrite and it is a prepared folder)")
-    p.add_argument("--text-field", default="text", help="the JSON field holding a document's "
+    p.add_argument("--text-field", default="text", metavar="FIELD", help="the JSON field holding a document's "
                    "text (default: text)")
-    p.add_argument("--val-fraction", type=float, default=0.005, help="share of documents held "
+    p.add_argument("--val-fraction", type=float, default=0.005, metavar="F", help="share of documents held "
                    "out for validation (default 0.005; 0: none)")
-    p.add_argument("--seed", type=int, default=0, help="seeds which documents are held out")
+    p.add_argument("--seed", type=int, default=0, metavar="S",
+                   help="keys the hash that picks the held-out documents (default 0)")
     p.add_argument("--workers", type=int, default=_default_workers(), metavar="N",
                    help="tokenizer processes (default: the usable CPUs, here %(default)s)")
     p.add_argument("--split-blank-lines", action="store_true",

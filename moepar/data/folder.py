@@ -11,6 +11,7 @@ truncated or damaged file is an error naming it, never a SIGBUS when training re
 """
 
 import bisect
+import collections
 import hashlib
 import json
 import os
@@ -62,23 +63,29 @@ def open_npy(path: str, label: str, dtype: str | None = None, count: int | None 
 
 class ShardedTokens:
     """A split's shards as one 1-D sequence: len() and contiguous slices (which may span shards).
-    Shards are checked at construction and mapped on first use, so a large folder costs one
-    header read per shard up front and a file handle only for the shards training touches."""
+    Shards are checked at construction and mapped on use; each map holds a file descriptor, so
+    only the `max_open` most recently used stay mapped (a folder may have thousands of shards)."""
 
-    def __init__(self, paths: list[str], counts: list[int], dtype: str, label: str):
+    def __init__(self, paths: list[str], counts: list[int], dtype: str, label: str,
+                 max_open: int = 64):
         for path, count in zip(paths, counts, strict=True):
             open_npy(path, label, dtype, count)     # checks only; the map is dropped
         self.paths, self.dtype, self.label = paths, np.dtype(dtype), label
         self.starts = np.concatenate([[0], np.cumsum(counts, dtype=np.int64)]).tolist()
-        self._maps: dict[int, np.ndarray] = {}
+        self.max_open = max_open
+        self._maps: collections.OrderedDict[int, np.ndarray] = collections.OrderedDict()
 
     def __len__(self) -> int:
         return self.starts[-1]
 
     def _shard(self, i: int) -> np.ndarray:
-        if i not in self._maps:
+        if i in self._maps:
+            self._maps.move_to_end(i)
+        else:
             self._maps[i] = open_npy(self.paths[i], self.label, self.dtype.name,
                                      self.starts[i + 1] - self.starts[i])
+            if len(self._maps) > self.max_open:
+                self._maps.popitem(last=False)
         return self._maps[i]
 
     def __getitem__(self, key):
