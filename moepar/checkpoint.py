@@ -39,7 +39,7 @@ from moepar.tensorfile import (DTYPES, TensorFileError, box_bytes, check_blocks,
 
 __all__ = ["save_checkpoint", "PendingSave", "load_checkpoint", "latest_checkpoint", "complete_steps",
            "verify_checkpoint", "commit", "recover_interrupted", "checkpoint_step",
-           "CheckpointError", "read_canonical", "canonical_names"]
+           "CheckpointError", "read_canonical", "canonical_names", "read_state"]
 
 MANIFEST, INDEX, STATE = "manifest.json", "index.json", "state.json"
 FORMAT = 2
@@ -622,6 +622,11 @@ def verify_checkpoint(path: str) -> dict:
     for name in ckpt.files:
         ckpt.verify(name)
     return ckpt.files
+
+
+def read_state(path: str) -> dict:
+    """state.json of a committed checkpoint (manifest and hash checked)."""
+    return _Checkpoint(path).state
 
 
 def canonical_names(path: str) -> list[str]:

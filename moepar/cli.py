@@ -18,6 +18,7 @@ __all__ = ["main", "COMMANDS"]
 COMMANDS = {
     "train": ("moepar.launch", "train a model from a TOML config, on one or many processes"),
     "convert": ("moepar.hf.cli", "convert Hugging Face checkpoints to moepar and back"),
+    "data": ("moepar.data.cli", "tokenize text into a prepared folder: moepar data prepare ..."),
     "bench": ("moepar.bench", "benchmarks: moe-layer, dispatch, memory, pipeline, checkpoint"),
 }
 

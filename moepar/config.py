@@ -132,8 +132,12 @@ class TrainConfig:
 
 @dataclass
 class DataConfig:
+    """What training reads. `tokens` takes a folder from `moepar data prepare` (or one raw/.npy
+    token file) as data.path, or several as data.paths blended by data.weights."""
     source: str = "builtin"   # builtin (Python's own docs, no download), text (a UTF-8 file), tokens
-    path: str = ""            # for text and tokens: the file (tokens: raw array or .npy, memory-mapped)
+    path: str = ""            # text: the file; tokens: a prepared folder, or a raw/.npy token file
+    paths: list[str] = field(default_factory=list)   # tokens: several folders/files to blend
+    weights: list[float] = field(default_factory=list)   # share of each data.paths entry; [] = by size
     token_dtype: str = "uint16"  # for raw token files
 
     def __post_init__(self):
@@ -141,11 +145,50 @@ class DataConfig:
             raise ValueError(f"data.source={self.source!r} is not one of {DATA_SOURCES}")
         if self.token_dtype not in TOKEN_DTYPES:
             raise ValueError(f"data.token_dtype={self.token_dtype!r} is not one of {TOKEN_DTYPES}")
-        if self.source != "builtin":
+        for name in ("path", "paths", "weights"):
+            if getattr(self, name) and self.source == "builtin":
+                raise ValueError(f"data.{name} is set but data.source='builtin' reads no files; "
+                                 f"set data.source='text' or 'tokens', or drop data.{name}")
+        if self.source == "text":
+            if self.paths or self.weights:
+                raise ValueError("data.paths and data.weights blend token data: they need "
+                                 "data.source='tokens'")
             if not self.path:
-                raise ValueError(f"data.source={self.source!r} needs data.path")
+                raise ValueError("data.source='text' needs data.path")
             if not os.path.isfile(self.path):
                 raise ValueError(f"data.path={self.path!r} is not a file")
+        if self.source == "tokens":
+            self._check_tokens()
+
+    def _check_tokens(self):
+        if self.path and self.paths:
+            raise ValueError("data.path and data.paths are both set; give one folder as "
+                             "data.path, or several as data.paths")
+        if not self.path and not self.paths:
+            raise ValueError("data.source='tokens' needs data.path (a folder from `moepar data "
+                             "prepare`, or a token file) or data.paths")
+        named = ([("data.path", self.path)] if self.path
+                 else [(f"data.paths[{k}]", p) for k, p in enumerate(self.paths)])
+        seen = {}
+        for name, path in named:
+            if os.path.isdir(path) and not os.path.isfile(os.path.join(path, "index.json")):
+                raise ValueError(f"{name}={path!r} is a directory without index.json; prepare "
+                                 f"it with `moepar data prepare ... --out {path}`")
+            if not os.path.exists(path):
+                raise ValueError(f"{name}={path!r} is not a file or a prepared folder")
+            real = os.path.realpath(path)
+            if real in seen:
+                raise ValueError(f"{name}={path!r} repeats {seen[real]}; give each source once "
+                                 "and weight it with data.weights")
+            seen[real] = name
+        if self.weights:
+            if not self.paths:
+                raise ValueError("data.weights needs data.paths (one weight per path)")
+            if len(self.weights) != len(self.paths):
+                raise ValueError(f"data.weights has {len(self.weights)} entries, data.paths has "
+                                 f"{len(self.paths)}: give one weight per path")
+            for k, w in enumerate(self.weights):
+                check_number(f"data.weights[{k}]", w, strict=True)
 
 
 @dataclass

@@ -21,9 +21,9 @@ import time
 import torch
 
 from moepar.checkpoint import (PendingSave, checkpoint_step, complete_steps, latest_checkpoint,
-                               load_checkpoint, recover_interrupted)
+                               load_checkpoint, read_state, recover_interrupted)
 from moepar.config import RunConfig, to_dict, to_toml
-from moepar.data import WindowSampler, check_token_range, load_tokens
+from moepar.data import build_sampler, check_same_dataset
 from moepar.launch import init_process_group, select_device
 from moepar.layers import Transformer
 from moepar.metrics import MetricsWriter, StepStats
@@ -93,10 +93,7 @@ class Trainer:
         self.log = log if self.rank == 0 else (lambda _msg: None)
         self.device = select_device(tcfg.device, cfg.parallel.backend)
         # Data errors surface here, on every rank, before any process group exists.
-        tokens = load_tokens(cfg.data)
-        check_token_range(tokens, cfg.model.vocab_size, f"data.source={cfg.data.source}")
-        self.sampler = WindowSampler(tokens, tcfg.seq_len, tcfg.micro_batch_size, tcfg.seed,
-                                     cfg.model.vocab_size, name=f"data.source={cfg.data.source}")
+        self.sampler = build_sampler(cfg)
         init_process_group(cfg.parallel, self.device, world_size)
         self.layout = self.dims.bind(self.rank, self.device)
         coords = self.layout.coords
@@ -118,6 +115,8 @@ class Trainer:
         self.engine = parallelize(model, self.layout, options)
         self.step = 0
         if resume_path:
+            # Another dataset is refused before anything is read (the state file is small).
+            check_same_dataset(read_state(resume_path).get("dataset"), self.sampler.fingerprint)
             state = load_checkpoint(resume_path, self.engine, optimizer=True)
             self.step, self.sampler.position = state["step"], state["data_position"]
             self.log(f"resumed from {resume_path} at step {self.step}")
@@ -232,7 +231,8 @@ class Trainer:
         A save first finishes the one still in flight."""
         self.finish_save()
         state = {"step": self.step, "data_position": self.sampler.position,
-                 "config": to_dict(self.cfg), "layout": self.dims.describe()}
+                 "config": to_dict(self.cfg), "layout": self.dims.describe(),
+                 "dataset": self.sampler.fingerprint}
         pending = PendingSave(self.ckpt_root, self.step, self.engine, state,
                               keep=self.cfg.run.keep_checkpoints, background=background)
         if background:

@@ -1,8 +1,10 @@
-"""Training data: a byte-level tokenizer, the token sources, and a resumable window sampler.
+"""Token sources and the window sampler: the byte tokenizer, one-array sources, and micro-batches
+drawn as a pure function of (seed, micro-batch index).
 
-Sources: `builtin` (the English help text that CPython ships in `pydoc_data.topics`, so the tiny
-run needs no download), `text` (a UTF-8 file, byte-tokenized), `tokens` (pre-tokenized ids as a raw
-array of `data.token_dtype` or a `.npy` file, memory-mapped, never read whole).
+One-array sources: `builtin` (the English help text that CPython ships in `pydoc_data.topics`, so
+the tiny run needs no download), `text` (a UTF-8 file, byte-tokenized), `tokens` with a single file
+(ids as a raw array of `data.token_dtype` or a `.npy` file, memory-mapped, never read whole).
+Prepared folders (folder.py) give the same interface: len() and contiguous slices.
 """
 
 import os
@@ -10,14 +12,16 @@ import os
 import numpy as np
 import torch
 
-from moepar.config import DataConfig
+from moepar.data.folder import PreparedFolder, is_prepared, open_npy
 
-__all__ = ["ByteTokenizer", "load_tokens", "check_token_range", "WindowSampler"]
+__all__ = ["ByteTokenizer", "load_tokens", "check_token_range", "WindowSampler", "builtin_text"]
 
 
 class ByteTokenizer:
-    """UTF-8 bytes as token ids 0..255."""
+    """UTF-8 bytes as token ids 0..255; `moepar data prepare --tokenizer bytes` ends documents with
+    `eos_id` 255 (0xFF never occurs in UTF-8, so the vocabulary stays 256)."""
     vocab_size = 256
+    eos_id = 0xFF
 
     def encode(self, text: str) -> np.ndarray:
         return np.frombuffer(text.encode("utf-8"), dtype=np.uint8)
@@ -31,8 +35,21 @@ def builtin_text() -> str:
     return "\n\n".join(topics[key] for key in sorted(topics))
 
 
-def load_tokens(cfg: DataConfig) -> np.ndarray:
-    """A 1-D array of token ids (memory-mapped for token files)."""
+def read_token_file(path: str, token_dtype: str, label: str):
+    """One token file: a .npy (header and size checked) or a raw array of token_dtype, mapped."""
+    if path.endswith(".npy"):
+        return open_npy(path, label)
+    itemsize = np.dtype(token_dtype).itemsize
+    size = os.path.getsize(path)
+    if size % itemsize:
+        raise ValueError(f"{label}={path!r} has {size} bytes, not a whole number of "
+                         f"data.token_dtype={token_dtype} tokens ({itemsize} bytes each)")
+    return np.memmap(path, dtype=token_dtype, mode="r")
+
+
+def load_tokens(cfg):
+    """The training tokens of a one-path config: a 1-D array (memory-mapped for token files), or a
+    prepared folder's train split (a ShardedTokens). Blends go through build_sampler."""
     if cfg.source == "builtin":
         return ByteTokenizer().encode(builtin_text())
     if cfg.source == "text":
@@ -43,20 +60,11 @@ def load_tokens(cfg: DataConfig) -> np.ndarray:
         except UnicodeDecodeError as e:
             raise ValueError(f"data.path={cfg.path!r} is not UTF-8 text: {e}") from None
         return np.frombuffer(data, dtype=np.uint8)
-    if cfg.path.endswith(".npy"):
-        tokens = np.load(cfg.path, mmap_mode="r")
-    else:
-        itemsize = np.dtype(cfg.token_dtype).itemsize
-
-        size = os.path.getsize(cfg.path)
-        if size % itemsize:
-            raise ValueError(f"data.path={cfg.path!r} has {size} bytes, not a whole number of "
-                             f"data.token_dtype={cfg.token_dtype} tokens ({itemsize} bytes each)")
-        tokens = np.memmap(cfg.path, dtype=cfg.token_dtype, mode="r")
-    if tokens.ndim != 1 or tokens.dtype.kind not in "iu":
-        raise ValueError(f"data.path={cfg.path!r} must hold a 1-D integer array, got "
-                         f"{tokens.dtype} with shape {tokens.shape}")
-    return tokens
+    if cfg.paths:
+        raise ValueError("load_tokens reads one source; data.paths is a blend (use build_sampler)")
+    if is_prepared(cfg.path):
+        return PreparedFolder(cfg.path, "data.path").split("train")
+    return read_token_file(cfg.path, cfg.token_dtype, "data.path")
 
 
 def check_token_range(tokens: np.ndarray, vocab_size: int, name: str, chunk: int = 1 << 24):
@@ -76,9 +84,10 @@ def check_token_range(tokens: np.ndarray, vocab_size: int, name: str, chunk: int
 class WindowSampler:
     """Micro-batch i is `batch_size` random windows of seq_len+1 tokens, drawn from a generator
     seeded by (seed, i): any batch can be rebuilt from its index, so the sampler's whole state is
-    `position`, the number of micro-batches handed out."""
+    `position`, the number of micro-batches handed out. Windows may span document boundaries
+    (EOS tokens in between), as in GPT-style pretraining."""
 
-    def __init__(self, tokens: np.ndarray, seq_len: int, batch_size: int, seed: int,
+    def __init__(self, tokens, seq_len: int, batch_size: int, seed: int,
                  vocab_size: int, name: str = "data"):
         if len(tokens) < seq_len + 1:
             raise ValueError(f"{name} has {len(tokens)} tokens, fewer than train.seq_len+1="
@@ -86,12 +95,15 @@ class WindowSampler:
         self.tokens, self.seq_len, self.batch_size = tokens, seq_len, batch_size
         self.seed, self.vocab_size, self.name = seed, vocab_size, name
         self.position = 0
+        self.fingerprint: dict | None = None     # set by build_sampler; stored in checkpoints
+
+    def windows(self, gen: torch.Generator) -> list[np.ndarray]:
+        starts = torch.randint(0, len(self.tokens) - self.seq_len, (self.batch_size,), generator=gen)
+        return [np.asarray(self.tokens[s:s + self.seq_len + 1]) for s in starts.tolist()]
 
     def batch(self, index: int):
         gen = torch.Generator().manual_seed(self.seed * 1_000_003 + index)
-        starts = torch.randint(0, len(self.tokens) - self.seq_len, (self.batch_size,), generator=gen)
-        rows = np.stack([np.asarray(self.tokens[s:s + self.seq_len + 1]) for s in starts.tolist()])
-        window_BS = torch.from_numpy(rows.astype(np.int64))
+        window_BS = torch.from_numpy(np.stack(self.windows(gen)).astype(np.int64))
         top = int(window_BS.max())
         if top >= self.vocab_size or int(window_BS.min()) < 0:
             raise ValueError(f"{self.name}: token id {top} in micro-batch {index} is outside "
