@@ -48,6 +48,7 @@ class ParallelConfig:
     pp_virtual: int = 1          # model chunks per pipeline rank (> 1: interleaved_1f1b)
     pp_layers: list[int] = field(default_factory=list)   # layers per chunk; empty: balanced
     timeout_s: float = 600.0     # seconds any collective may wait before the job fails
+    gpus_per_node: int = 0       # ranks per node; 0: LOCAL_WORLD_SIZE from the launcher, else one node
 
     def __post_init__(self):
         if self.dp < 0:
@@ -79,6 +80,8 @@ class ParallelConfig:
             raise ValueError(f"parallel.grad_reduce_dtype={self.grad_reduce_dtype!r} is not one of "
                              "'' (the parameters' dtype), 'float32', 'bfloat16'")
         check_number("parallel.timeout_s", self.timeout_s, strict=True)
+        if self.gpus_per_node < 0:
+            raise ValueError(f"parallel.gpus_per_node={self.gpus_per_node} must be >= 0")
         if self.backend not in ("auto", "gloo", "nccl"):
             raise ValueError(f"parallel.backend={self.backend!r} is not one of 'auto', 'gloo', 'nccl'")
 

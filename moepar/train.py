@@ -64,7 +64,9 @@ def adamw_factory(cfg, fused: bool = False):
 def build_dims(cfg: RunConfig, world_size: int) -> ParallelDims:
     """The layout for this world, validated against the batch sizes; raises before any collective."""
     p = cfg.parallel
-    dims = ParallelDims.resolve(world_size, p.pp, p.dp, p.tp, p.ep, cfg.model.num_experts)
+    node = p.gpus_per_node or int(os.environ.get("LOCAL_WORLD_SIZE", 0))
+    dims = ParallelDims.resolve(world_size, p.pp, p.dp, p.tp, p.ep, cfg.model.num_experts,
+                                gpus_per_node=node if node < world_size else 0)
     t = cfg.train
     if t.global_batch_size % (t.micro_batch_size * dims.dp):
         raise ValueError(f"train.global_batch_size={t.global_batch_size} must be a multiple of "
@@ -123,6 +125,8 @@ class Trainer:
         elif cfg.run.init_from:
             load_checkpoint(cfg.run.init_from, self.engine, restore_rng=False)
             self.log(f"initialised weights from {cfg.run.init_from}")
+        if self.dims.gpus_per_node:
+            self.log(f"nodes: {self.dims.describe_nodes()}")
         self.log(f"layout: {self.dims.describe()}; zero {cfg.parallel.zero}; "
                  f"{self.num_local_micro} micro-batch(es) of "
                  f"{tcfg.micro_batch_size} per rank per step; device {self.device}")

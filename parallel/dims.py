@@ -37,6 +37,7 @@ class ParallelDims:
     tp: int = 1
     ep: int = 1
     num_experts: int | None = None   # checked against ep when given
+    gpus_per_node: int = 0           # processes per node; 0: the whole world is one node
 
     def __post_init__(self):
         for name in ("world_size", "pp", "dp", "tp", "ep"):
@@ -51,13 +52,17 @@ class ParallelDims:
             raise ValueError(f"parallel.ep={self.ep} must divide parallel.dp * parallel.tp = "
                              f"{self.dp} * {self.tp} = {self.dp * self.tp} (experts fold over "
                              "the dense data and tensor ranks of a stage)")
+        node = self.gpus_per_node
+        if node < 0 or (0 < node < self.world_size and self.world_size % node):
+            raise ValueError(f"parallel.gpus_per_node={node} must divide the world size "
+                             f"{self.world_size} (every node runs the same number of ranks)")
         if self.num_experts is not None and self.num_experts % self.ep:
             raise ValueError(f"model.num_experts={self.num_experts} must be divisible by "
                              f"parallel.ep={self.ep}")
 
     @classmethod
     def resolve(cls, world_size: int, pp: int = 1, dp: int = 0, tp: int = 1, ep: int = 1,
-                num_experts: int | None = None) -> "ParallelDims":
+                num_experts: int | None = None, gpus_per_node: int = 0) -> "ParallelDims":
         """dp=0 means "the rest": world_size / (pp * tp)."""
         for name, value in (("pp", pp), ("tp", tp)):
             if value < 1:
@@ -67,7 +72,7 @@ class ParallelDims:
                 raise ValueError(f"world size {world_size} is not divisible by parallel.pp={pp} "
                                  f"* parallel.tp={tp}, so parallel.dp cannot be derived")
             dp = world_size // (pp * tp)
-        return cls(world_size, pp, dp, tp, ep, num_experts)
+        return cls(world_size, pp, dp, tp, ep, num_experts, gpus_per_node)
 
     @property
     def edp(self) -> int:
@@ -113,6 +118,38 @@ class ParallelDims:
     def describe(self) -> str:
         return (f"world {self.world_size} = pp {self.pp} x dp {self.dp} x tp {self.tp}; "
                 f"experts: pp {self.pp} x edp {self.edp} x ep {self.ep}")
+
+    # ---- nodes ---------------------------------------------------------------------------
+    # Every group is an arithmetic progression of ranks (first member, stride, size): tp is
+    # innermost, an EP group is a block of consecutive ranks of a stage, pp is outermost. So tp
+    # stays inside a node whenever the node size is a multiple of tp, then ep whenever it is a
+    # multiple of ep; dp, edp and pp span nodes first.
+    def _progression(self, axis: str) -> tuple[int, int]:
+        """(stride, size) of the groups of `axis` in rank order."""
+        return {"tp": (1, self.tp), "dp": (self.tp, self.dp), "pp": (self.dp * self.tp, self.pp),
+                "ep": (1, self.ep), "edp": (self.ep, self.edp)}[axis]
+
+    def node_of(self, rank: int) -> int:
+        return rank // self.gpus_per_node if self.gpus_per_node else 0
+
+    def spans_nodes(self, axis: str) -> bool:
+        """True if some group of `axis` has ranks on more than one node (pure maths)."""
+        if not self.gpus_per_node or self.gpus_per_node >= self.world_size:
+            return False
+        stride, size = self._progression(axis)
+        return any(self.node_of(r) != self.node_of(r + (size - 1) * stride)
+                   for r in range(self.world_size) if getattr(self.coords(r), axis) == 0)
+
+    def describe_nodes(self) -> str:
+        """Which groups stay inside a node and which span nodes, for the start-up log."""
+        node = self.gpus_per_node
+        if not node or node >= self.world_size:
+            return f"one node of {self.world_size} ranks"
+        axes = [a for a in ("tp", "ep", "dp", "edp", "pp") if self._progression(a)[1] > 1]
+        inside = [a for a in axes if not self.spans_nodes(a)]
+        across = [a for a in axes if self.spans_nodes(a)]
+        return (f"{self.world_size // node} nodes of {node} ranks; inside a node: "
+                f"{', '.join(inside) or 'none'}; across nodes: {', '.join(across) or 'none'}")
 
 
     def bind(self, rank: int, device) -> "Layout":

@@ -232,3 +232,34 @@ def test_build_dims_interleaved_needs_micro_batches_in_multiples_of_pp(tmp_path)
     cfg = tiny_config(tmp_path, "--parallel.pp=2", "--parallel.pp_virtual=2", "--model.num_layers=4",
                       "--parallel.pp_schedule=interleaved_1f1b", "--train.global_batch_size=8")
     assert build_dims(cfg, 4) == ParallelDims(4, 2, 2, 1, 1, 4)   # dp 2: 2 micro-batches each
+
+
+def _members(dims, axis):
+    """Every group of `axis` as a set of ranks, from the rank maths (naive)."""
+    return {tuple(dims.group_ranks(axis, r)) for r in range(dims.world_size)}
+
+
+@pytest.mark.parametrize("kwargs, node, inside, across", [
+    (dict(world_size=32, pp=2, dp=8, tp=2, ep=4), 8, {"tp", "ep"}, {"dp", "edp", "pp"}),
+    (dict(world_size=64, pp=4, dp=16, tp=1, ep=8), 8, {"ep"}, {"dp", "edp", "pp"}),
+    (dict(world_size=16, pp=1, dp=2, tp=8, ep=16), 8, {"tp"}, {"dp", "ep", "edp"}),
+    (dict(world_size=24, pp=4, dp=3, tp=2, ep=6), 8, {"tp"}, {"dp", "ep", "pp"}),
+    (dict(world_size=16, pp=2, dp=8, tp=1, ep=2), 16, {"dp", "ep", "edp", "pp"}, set()),
+])
+def test_which_groups_span_nodes(kwargs, node, inside, across):
+    """tp first, then ep, stay inside a node when the node size allows; checked against the
+    naive group membership (node = rank // ranks per node)."""
+    dims = ParallelDims(**kwargs, gpus_per_node=node)
+    for axis in ("tp", "dp", "pp", "ep", "edp"):
+        groups = _members(dims, axis)
+        naive = any(len({r // node for r in g}) > 1 for g in groups)
+        assert dims.spans_nodes(axis) == naive, axis
+        if len(next(iter(groups))) > 1:
+            assert (axis in across) == naive, (axis, dims.describe_nodes())
+            assert (axis in inside) == (not naive), axis
+
+
+def test_gpus_per_node_must_divide_the_world():
+    with pytest.raises(ValueError, match="gpus_per_node=3 must divide the world size 8"):
+        ParallelDims(8, dp=8, gpus_per_node=3)
+    assert ParallelDims(8, dp=8, gpus_per_node=4).describe_nodes().startswith("2 nodes of 4")
