@@ -101,18 +101,20 @@ def clip_grad_norm(groups, max_norm: float, meshes, device=None) -> torch.Tensor
     from torch.nn.utils import get_total_norm
     grads = [g for group, _ in groups for g in group]
     device = device or (grads[0].device if grads else torch.device("cpu"))
-    squares = torch.zeros(len(groups), dtype=torch.float64, device=device)
-    for i, (group, axes) in enumerate(groups):
-        if group and axes is not None:
-            squares[i] = get_total_norm(group).double().square()
+    zero = torch.zeros((), dtype=torch.float64, device=device)
+    # One 0-d tensor per group, combined with stack and integer views: no Python-list indexing
+    # of device tensors (each would be a host-to-device copy of the indices).
+    squares = [get_total_norm(group).double().square() if group and axes is not None else zero
+               for group, axes in groups]
     if meshes is not None:
         for axis in _AXIS_ORDER:
             rows = [i for i, (_, axes) in enumerate(groups) if axes and axis in axes]
             if rows:
-                part = squares[rows]
+                part = torch.stack([squares[i] for i in rows])
                 all_reduce_sum([part], meshes.group(axis))
-                squares[rows] = part
-    total = squares.sum().sqrt()
+                for j, i in enumerate(rows):
+                    squares[i] = part[j]
+    total = torch.stack(squares).sum().sqrt()
     if math.isfinite(max_norm) and grads:
         coef = (max_norm / (total.to(grads[0].dtype) + 1e-6)).clamp(max=1.0)
         torch._foreach_mul_(grads, coef)

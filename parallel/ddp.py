@@ -8,7 +8,10 @@ Talks on `dp` (dense gradients) and `edp` (expert gradients), asynchronously dur
 | experts (GroupedExperts)       | edp           | all-reduce sum, then / dp          |
 
 Parameters are grouped into buckets (~`bucket_mb` each, one group per bucket) in reverse
-registration order, roughly the order backward finishes them. On the last micro-batch of a step
+registration order, roughly the order backward finishes them. Each bucket's gradients live in
+one flat buffer (every `p.grad` a view of it, each parameter 16-element aligned), so backward
+accumulates straight into what is all-reduced, and the result is scaled in place, one operation
+per bucket. On the last micro-batch of a step
 (`arm`), a hook fires as each gradient becomes final; a bucket whose gradients are all final is
 flattened and all-reduced asynchronously while backward goes on. Buckets launch strictly in index
 order on every rank (a ready bucket waits for the ones before it), so every rank issues the same
@@ -27,13 +30,26 @@ import torch.distributed as dist
 
 from .data import split_parameters
 
-__all__ = ["OverlappedReducer"]
+__all__ = ["OverlappedReducer", "ALIGN", "align"]
+
+
+ALIGN = 16   # elements: each parameter starts 16-element aligned in a flat buffer (vector loads)
+
+
+def align(n: int) -> int:
+    return -(-n // ALIGN) * ALIGN
 
 
 class _Bucket:
     def __init__(self, params, axis, group, decay):
         self.params, self.axis, self.group, self.decay = params, axis, group, decay
         self.ready, self.wire, self.handle = set(), None, None
+        self.offsets, offset = {}, 0
+        for p in params:
+            self.offsets[id(p)] = offset
+            offset = align(offset + p.numel())
+        self.numel = offset          # the flat length with alignment gaps (zeros)
+        self.flat_grad = None        # the bucket's gradients, each p.grad a view of it
 
 
 class OverlappedReducer:
@@ -42,7 +58,7 @@ class OverlappedReducer:
     reduce_every_micro = False
 
     def __init__(self, model, meshes, dims, bucket_mb: float = 25.0, reduce_dtype=None,
-                 split_decay: bool = False):
+                 split_decay: bool = False, grad_views: bool = True):
         self.meshes, self.scale, self.reduce_dtype = meshes, 1.0 / dims.dp, reduce_dtype
         _, experts = split_parameters(model)
         in_expert = {id(p) for p in experts}
@@ -65,6 +81,7 @@ class OverlappedReducer:
         if current:
             close()
         self.bucket_of = {id(p): b for b in self.buckets for p in b.params}
+        self.grad_views = grad_views
         self.armed, self.next_launch = False, 0
         self.hooks = [p.register_post_accumulate_grad_hook(self._on_grad)
                       for b in self.buckets for p in b.params]
@@ -74,6 +91,7 @@ class OverlappedReducer:
         return self.reduce_every_micro or (last if step_final is None else step_final)
 
     def before_backward(self, last: bool, step_final: bool | None = None):
+        self._ensure_grad_buffers()
         if self._reduces(last, step_final):
             self.arm()
 
@@ -109,25 +127,42 @@ class OverlappedReducer:
     def _to_wire(self, flat):
         return flat if self.reduce_dtype is None else flat.to(self.reduce_dtype)
 
-    def _flat_grads(self, bucket, pad: int = 0):
-        grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in bucket.params]
-        if pad:
-            grads.append(grads[0].new_zeros(pad))
-        return torch.cat([g.reshape(-1) for g in grads])
+    def _attach_grads(self, b):
+        for p in b.params:
+            start = b.offsets[id(p)]
+            p.grad = b.flat_grad[start:start + p.numel()].view_as(p)
+
+    def _ensure_grad_buffers(self):
+        """Allocates the flat gradient buffers before the first backward (not at build: a rank
+        holds only its parameters until it trains) and points each p.grad into them, so
+        gradients accumulate straight into what is reduced."""
+        if not self.grad_views or self.buckets[0].flat_grad is not None:
+            return
+        for b in self.buckets:
+            b.flat_grad = torch.zeros(self._flat_length(b), dtype=b.params[0].dtype,
+                                      device=b.params[0].device)
+            self._attach_grads(b)
+
+    def _flat_length(self, b) -> int:
+        return b.numel
+
+    def zero_grad(self):
+        """Zeros the gradient buffers (and re-attaches the views, in case anything replaced a
+        parameter's .grad); the trainer calls this instead of the optimizer's set-to-None."""
+        for b in self.buckets:
+            if b.flat_grad is not None:
+                b.flat_grad.zero_()
+                self._attach_grads(b)
 
     def _launch(self, bucket: _Bucket):
-        bucket.wire = self._to_wire(self._flat_grads(bucket))
+        bucket.wire = self._to_wire(bucket.flat_grad)
         bucket.handle = dist.all_reduce(bucket.wire, group=bucket.group, async_op=True)
 
     def _complete(self, bucket: _Bucket):
-        offset = 0
-        for p in bucket.params:
-            chunk = bucket.wire[offset:offset + p.numel()].view_as(p)
-            if p.grad is None:
-                p.grad = chunk.to(p.dtype) * self.scale
-            else:
-                p.grad.copy_(chunk).mul_(self.scale)
-            offset += p.numel()
+        # Whole-bucket operations: one copy back (reduced-precision wire only) and one scale.
+        if bucket.wire is not bucket.flat_grad:
+            bucket.flat_grad.copy_(bucket.wire)
+        bucket.flat_grad.mul_(self.scale)
 
     def finish(self):
         """Launches the buckets backward did not complete, waits for all, writes the results."""

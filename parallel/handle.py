@@ -179,7 +179,12 @@ class ParallelModel:
         self.update_expert_bias(stats)
 
     def zero_grad(self):
-        self.optimizer.zero_grad(set_to_none=True)
+        """Gradients to zero: in place where the sync keeps them in flat buffers (DDP, ZeRO),
+        else set to None."""
+        if hasattr(self.sync, "zero_grad"):
+            self.sync.zero_grad()
+        else:
+            self.optimizer.zero_grad(set_to_none=True)
 
     def update_expert_bias(self, stats):
         for layer, moe in zip(self.moe_indices, self.model.moe_layers(), strict=True):

@@ -36,14 +36,15 @@ import torch.distributed as dist
 from torch import nn
 
 from . import comm
-from .ddp import OverlappedReducer
+from .ddp import OverlappedReducer, align
 
 __all__ = ["ZeroReducer", "ShardedAdamW", "FullyShardedSync"]
 
 
 class ZeroReducer(OverlappedReducer):
     def __init__(self, model, meshes, dims, stage: int, bucket_mb: float = 25.0, reduce_dtype=None):
-        super().__init__(model, meshes, dims, bucket_mb, reduce_dtype, split_decay=True)
+        super().__init__(model, meshes, dims, bucket_mb, reduce_dtype, split_decay=True,
+                         grad_views=False)
         if stage not in (1, 2):
             raise ValueError(f"ZeroReducer is for parallel.zero=1 or 2, not {stage}")
         self.stage, self.reduce_every_micro = stage, stage == 2
@@ -54,30 +55,31 @@ class ZeroReducer(OverlappedReducer):
     def _flatten(self, b):
         n = dist.get_world_size(b.group)
         b.size, b.index = n, dist.get_rank(b.group)
-        numel = sum(p.numel() for p in b.params)
-        b.shard_len = math.ceil(numel / n)
-        b.pad = b.shard_len * n - numel
+        # Shards are 16-element aligned too; the flat buffer is n of them (zeros past the end).
+        b.shard_len = align(math.ceil(b.numel / n))
         first = b.params[0]
         b.flat = torch.zeros(b.shard_len * n, dtype=first.dtype, device=first.device)
-        offset, b.offsets = 0, {}
         for p in b.params:
-            b.flat[offset:offset + p.numel()].copy_(p.reshape(-1))
-            p.data = b.flat[offset:offset + p.numel()].view_as(p)
-            b.offsets[id(p)] = offset
-            offset += p.numel()
+            start = b.offsets[id(p)]
+            view = b.flat[start:start + p.numel()]
+            view.copy_(p.reshape(-1))
+            p.data = view.view_as(p)
         mine = slice(b.index * b.shard_len, (b.index + 1) * b.shard_len)
         b.mine = mine
         b.shard = nn.Parameter(b.flat[mine])          # shares storage with the parameters
-        b.flat_grad = None
-        if self.stage == 1:
-            b.flat_grad = torch.zeros_like(b.flat)
-            self._attach_grads(b)
+        self.grad_views = self.stage == 1     # stage 1 accumulates in place (lazily allocated)
 
-    def _attach_grads(self, b):
-        offset = 0
+    def _flat_length(self, b) -> int:
+        return b.flat.numel()
+
+    def _flat_grads(self, b):
+        """Stage 2: this micro-batch's gradients laid out like the flat buffer (zeros between)."""
+        flat = torch.zeros_like(b.flat)
         for p in b.params:
-            p.grad = b.flat_grad[offset:offset + p.numel()].view_as(p)
-            offset += p.numel()
+            if p.grad is not None:
+                start = b.offsets[id(p)]
+                flat[start:start + p.numel()].copy_(p.grad.reshape(-1))
+        return flat
 
     def zero_grad(self):
         for b in self.buckets:
@@ -105,7 +107,7 @@ class ZeroReducer(OverlappedReducer):
         if b.flat_grad is not None:
             flat = b.flat_grad
         else:
-            flat = self._flat_grads(b, b.pad)
+            flat = self._flat_grads(b)
             for p in b.params:
                 p.grad = None                          # stage 2: only the shard survives
         b.wire = self._to_wire(flat)
@@ -144,9 +146,9 @@ class ShardedAdamW:
         self.inner.step()
         handles = []
         for b in self.reducer.buckets:
-            if b.size > 1:
-                handles.append(comm.all_gather_single(b.flat, b.shard.detach().clone(),
-                                                           group=b.group, async_op=True))
+            if b.size > 1:   # in place: this rank's input is its own slice of the output
+                handles.append(comm.all_gather_single(b.flat, b.shard.detach(), group=b.group,
+                                                      async_op=True))
         for handle in handles:
             handle.wait()
 

@@ -34,13 +34,15 @@ def case_overlap_and_accumulation(run_dir: str):
     finally:
         dist.all_reduce = real
     assert 0 < launched_in_backward <= len(reducer.buckets)
-    local = {n: p.grad.clone() for n, p in trainer.model.named_parameters()}
     reducer.finish()
     overlapped = {n: p.grad.clone() for n, p in trainer.model.named_parameters()}
-    for n, p in trainer.model.named_parameters():
-        p.grad.copy_(local[n])
-    reduce_gradients(trainer.model, trainer.meshes, trainer.dims)   # the plain step-end version
-    for n, p in trainer.model.named_parameters():
+    # Reference: the same two micro-batches with no reduction at all, then the plain step-end
+    # all-reduce (the gradient buffers are reduced in place, so the local sums are taken anew).
+    ref = Trainer(cfg, log=lambda _m: None)
+    for i in range(2):
+        ref._micro_batch(*ref.sampler.batch(ref.first_micro + i), stats, last=False)
+    reduce_gradients(ref.model, ref.meshes, ref.dims)
+    for n, p in ref.model.named_parameters():
         torch.testing.assert_close(overlapped[n], p.grad, rtol=1e-12, atol=1e-15, msg=n)
     return launched_in_backward, len(reducer.buckets)
 

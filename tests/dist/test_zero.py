@@ -23,7 +23,11 @@ def case_memory(run_dir: str, zero: int, overrides: list[str]):
     trainer = Trainer(tiny_config(f"{run_dir}/z{zero}", f"--parallel.zero={zero}", *overrides),
                       log=quiet)
     trainer.train_step()
-    return measure(trainer), formula(trainer)
+    buckets = getattr(trainer.sync, "buckets", [])
+    # flat buffers align each parameter to 16 elements and pad each bucket to 16 * its group
+    slack = 16 * (len(list(trainer.model.parameters())) + sum(b.size for b in buckets
+                                                              if hasattr(b, "size")))
+    return measure(trainer), formula(trainer), 4 * slack
 
 
 @pytest.mark.parametrize("zero", [0, 1, 2, 3])
@@ -33,17 +37,21 @@ def test_memory_per_rank_matches_the_formula(worlds, tmp_path, zero):
     overrides = ["--parallel.dp=4", "--parallel.ep=2", "--model.num_experts=8",
                  "--train.global_batch_size=8"]
     results = worlds(4).run(case_memory, str(tmp_path), zero, overrides, timeout=120)
-    for measured, want in results:
+    for measured, want, _ in results:
         for part in ("params", "grads", "optimizer"):
             assert math.isclose(measured[part], want[part], rel_tol=0.05), (zero, part, measured, want)
-    # Independently of the formula: what is sharded is under half its replicated size (N >= 2).
-    measured, want = results[0]
+    # Independently of the formula: what is sharded is under half its replicated size (N >= 2);
+    # what is not is the whole, up to the flat buffers' alignment padding.
+    measured, want, slack = results[0]
     replicated = 4 * (want["dense_params"] + want["expert_params_per_rank"])   # float32
     sharded = {0: [], 1: ["optimizer"], 2: ["optimizer", "grads"],
                3: ["optimizer", "grads", "params"]}[zero]
     for part, per_element in (("params", 1), ("grads", 1), ("optimizer", 2)):
         full = per_element * replicated
-        assert (measured[part] < 0.5 * full) if part in sharded else measured[part] == full, part
+        if part in sharded:
+            assert measured[part] < 0.5 * full, part
+        else:
+            assert full <= measured[part] <= full + slack, (part, measured[part], full, slack)
 
 
 def case_steps(run_dir: str, overrides: list[str]):
