@@ -53,7 +53,7 @@ def _scales_fp32(scale: torch.Tensor, name: str) -> torch.Tensor:
 
 def dequantize(name: str, weight: torch.Tensor, scale: torch.Tensor, block: tuple[int, int],
                dtype: torch.dtype) -> torch.Tensor:
-    """weight * scale_inv per block, computed in float32 one block row at a time, stored in
+    """weight * scale_inv per block, computed in float32 a few block rows at a time, stored in
     `dtype`; the scale grid's shape is checked against the weight's and the block size."""
     scale = _scales_fp32(scale, name)
     if weight.dim() < 2:
@@ -66,10 +66,14 @@ def dequantize(name: str, weight: torch.Tensor, scale: torch.Tensor, block: tupl
                               f"{tuple(weight.shape)} in {bm}x{bn} blocks needs {grid}")
     out = torch.empty(weight.shape, dtype=dtype, device=weight.device)
     scale_MbN = scale.repeat_interleave(bn, dim=-1)[..., :cols]   # each block row's scales per column
-    for r in range(grid[-2]):
-        rows_here = slice(r * bm, min((r + 1) * bm, rows))
-        block_row = weight[..., rows_here, :].to(torch.float32) * scale_MbN[..., r:r + 1, :]
-        out[..., rows_here, :] = block_row.to(dtype)
+    # A few block rows at a time (about 4M weights): a bounded float32 scratch, scaled in place.
+    step = max(1, (1 << 22) // (bm * weight[..., :1, :].numel()))
+    for r in range(0, grid[-2], step):
+        first, last = r * bm, min((r + step) * bm, rows)
+        chunk = weight[..., first:last, :].to(torch.float32)
+        for b in range(-(-(last - first) // bm)):
+            chunk[..., b * bm:(b + 1) * bm, :].mul_(scale_MbN[..., r + b:r + b + 1, :])
+        out[..., first:last, :] = chunk
     return out
 
 

@@ -234,6 +234,22 @@ def test_dequantize_streams_one_weight_at_a_time():
         torch.testing.assert_close(tensor, weights[k], rtol=0.07, atol=1e-6)   # e4m3: 3 mantissa bits
 
 
+def test_dequantize_stacked_experts_and_big_blocks():
+    """Leading dims (experts stacked as [E, M, N], as transformers stores gate_up_proj) and
+    DeepSeek's 128x128 blocks with partial ones at the end (kv_a_proj_with_mqa-like 576 rows);
+    several chunks of block rows (over 4M weights)."""
+    from moepar.hf.fp8 import dequantize
+    torch.manual_seed(0)
+    w = torch.randn(3, 200, 300)
+    parts = [_quantize(w[e], (128, 128)) for e in range(3)]
+    q, scale = torch.stack([p[0] for p in parts]), torch.stack([p[1] for p in parts])
+    want = torch.stack([_reference_dequantize(*p, (128, 128), torch.float32) for p in parts])
+    assert torch.equal(dequantize("x", q, scale, (128, 128), torch.float32), want)
+    q, scale = _quantize(torch.randn(576, 7300), (128, 128))
+    assert torch.equal(dequantize("y", q, scale, (128, 128), torch.bfloat16),
+                       _reference_dequantize(q, scale, (128, 128), torch.bfloat16))
+
+
 @pytest.mark.parametrize("damage, message", [
     ("no_scale", "FP8 tensor(s) without their _scale_inv: ['model.layers.0.self_attn.o_proj.weight']"),
     ("bad_scale", "model.layers.0.self_attn.o_proj.weight_scale_inv has shape (1, 1); a weight of "
