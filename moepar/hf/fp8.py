@@ -1,5 +1,5 @@
-"""FP8 block-quantized checkpoints (DeepSeek-V3, Qwen3 FP8): weights dequantized on import, one
-block row at a time, as tensors stream in.
+"""FP8 block-quantized checkpoints (DeepSeek-V3, Qwen3 FP8): weights dequantized on import, a few
+block rows at a time, as tensors stream in.
 
 Legend: M, N a weight's rows and columns; bm, bn the block (quantization_config's
 weight_block_size, [128, 128] in DeepSeek-V3); Mb = ceil(M / bm), Nb = ceil(N / bn).
