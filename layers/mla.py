@@ -7,10 +7,11 @@ N the no-RoPE ("nope") and R the RoPE part of a q/k head, V the value head dim.
     kv, kr = split(kv_a(x))               [B, S, Ckv], [B, S, R]   (kr: one key RoPE part for all heads)
     k, v   = split(kv_b(norm(kv)))        [B, S, H, N], [B, S, H, V]
     attention over [q_nope | rope(q_rot)] . [k_nope | rope(kr)], softmax scale (N + R)^-0.5
+    (times mscale(factor, mscale_all_dim)^2 under YaRN, as DeepSeek-V3 does for long contexts)
 
 RoPE here is the rotate-half form. DeepSeek's checkpoints lay the R rotary dims out in
-interleaved pairs; converting them is a fixed permutation of those weight rows (moepar.hf.arch),
-which leaves every q.k product unchanged.
+interleaved pairs; converting them is a fixed permutation of those weight rows
+(moepar.hf.names), which leaves every q.k product unchanged.
 """
 
 import torch
@@ -44,6 +45,8 @@ class MLA(nn.Module):
             nn.init.normal_(lin.weight, std=cfg.init_std)
         nn.init.normal_(self.o_proj.weight, std=out_init_std)
         self.q_lora = bool(cfg.q_lora_rank)
+        yarn = cfg.yarn   # None: SDPA's own (N + R)^-0.5
+        self.softmax_scale = qk_dim ** -0.5 * yarn.softmax_scale_factor if yarn else None
 
     def forward(self, x_BSD, cos_SR, sin_SR):
         batch, seq, _ = x_BSD.shape
@@ -56,5 +59,6 @@ class MLA(nn.Module):
         k_rot_B1SR = apply_rotary(k_rot.unsqueeze(1), cos_SR, sin_SR)
         q_BHSq = torch.cat([q_nope, apply_rotary(q_rot, cos_SR, sin_SR)], dim=-1)
         k_BHSq = torch.cat([k_nope, k_rot_B1SR.expand(-1, self.num_heads, -1, -1)], dim=-1)
-        o_BHSV = F.scaled_dot_product_attention(q_BHSq, k_BHSq, v_BHSV, is_causal=True)
+        o_BHSV = F.scaled_dot_product_attention(q_BHSq, k_BHSq, v_BHSV, is_causal=True,
+                                               scale=self.softmax_scale)
         return self.o_proj(o_BHSV.transpose(1, 2).reshape(batch, seq, -1))

@@ -16,13 +16,14 @@ from torch import nn
 
 from .experts import ACTIVATIONS, FeedForward
 from .mla import MLA
-from .rope import RMSNorm, apply_rotary, rotary_tables
+from .rope import RMSNorm, YaRN, apply_rotary, rotary_tables
 from .moe import MoE
 from .router import RouterConfig, check_number
 
-__all__ = ["ModelConfig", "Transformer", "Attention", "RMSNorm", "Block", "QK_NORMS"]
+__all__ = ["ModelConfig", "Transformer", "Attention", "RMSNorm", "Block", "QK_NORMS", "ROPE_SCALINGS"]
 
 QK_NORMS = ("none", "head", "full")
+ROPE_SCALINGS = ("none", "yarn")
 
 
 @dataclass
@@ -57,6 +58,15 @@ class ModelConfig:
     tie_embeddings: bool = False
     max_seq_len: int = 256
     rope_theta: float = 10000.0
+    rope_scaling: str = "none"     # "none" or "yarn" (context extension; the rope_* keys below)
+    rope_factor: float = 1.0       # yarn: context length / original context length
+    rope_original_max_seq_len: int = 0  # yarn: the pretraining context length
+    rope_beta_fast: float = 32.0   # yarn: dims turning more often than this keep their frequency
+    rope_beta_slow: float = 1.0    # yarn: dims turning less often are slowed by rope_factor
+    rope_mscale: float = 0.0       # yarn: cos/sin scale m(this)/m(rope_mscale_all_dim) (m: YaRN mscale)
+    rope_mscale_all_dim: float = 0.0  # yarn: see rope_mscale; MLA also scales its softmax by m(this)^2
+    rope_attention_factor: float = 0.0  # yarn: the cos/sin scale itself (0: from the above)
+    rope_truncate: bool = True     # yarn: round the frequency ramp's ends to whole dims
     norm_eps: float = 1e-5
     init_std: float = 0.02
 
@@ -100,6 +110,16 @@ class ModelConfig:
                 raise ValueError("model.attention='mla' takes no model.qk_norm or model.attention_bias")
         if self.rope_dim % 2:
             raise ValueError(f"rotary dim {self.rope_dim} must be even")
+        if self.rope_scaling not in ROPE_SCALINGS:
+            raise ValueError(f"model.rope_scaling={self.rope_scaling!r} is not one of {ROPE_SCALINGS}")
+        if self.rope_scaling == "yarn":
+            check_number("model.rope_factor", self.rope_factor, low=1.0)
+            if self.rope_original_max_seq_len < 1:
+                raise ValueError(f"model.rope_original_max_seq_len={self.rope_original_max_seq_len} "
+                                 "must be >= 1 with model.rope_scaling='yarn'")
+            for name in ("rope_beta_fast", "rope_beta_slow", "rope_mscale", "rope_mscale_all_dim",
+                         "rope_attention_factor"):
+                check_number(f"model.{name}", getattr(self, name))
 
     @property
     def head_dim_resolved(self) -> int:
@@ -109,6 +129,15 @@ class ModelConfig:
     def rope_dim(self) -> int:
         """The dims RoPE rotates per head: the whole head, or MLA's rope part."""
         return self.qk_rope_head_dim if self.attention == "mla" else self.head_dim_resolved
+
+    @property
+    def yarn(self) -> YaRN | None:
+        """The YaRN parameters, or None for plain RoPE."""
+        if self.rope_scaling != "yarn":
+            return None
+        return YaRN(self.rope_factor, self.rope_original_max_seq_len, self.rope_beta_fast,
+                    self.rope_beta_slow, self.rope_mscale, self.rope_mscale_all_dim,
+                    self.rope_attention_factor, self.rope_truncate)
 
     def is_moe_layer(self, i: int) -> bool:
         return (i >= self.first_k_dense and i not in self.dense_layers
@@ -221,8 +250,7 @@ class Transformer(nn.Module):
     def rotary_buffers(cfg: ModelConfig):
         """(cos, sin) [max_seq_len, rope dim] in float64 on the host: exact for float64 models;
         `.to(dtype)` rounds them once for others."""
-        return rotary_tables(cfg.max_seq_len, cfg.rope_dim, cfg.rope_theta,
-                             device=torch.device("cpu"))
+        return rotary_tables(cfg.max_seq_len, cfg.rope_dim, cfg.rope_theta, yarn=cfg.yarn)
 
     def moe_layers(self) -> list[MoE]:
         return [block.ffn for block in self.layers if block.is_moe]

@@ -1,6 +1,6 @@
 """`moepar convert`: Hugging Face folders to moepar checkpoints and back.
 
-    moepar convert --from hf SRC_DIR --to moepar DST_DIR
+    moepar convert --from hf SRC_DIR --to moepar DST_DIR [--dequantize-dtype bfloat16|float32]
     moepar convert --from moepar SRC_DIR --to hf DST_DIR [--arch NAME] [--max-shard-size BYTES]
 """
 
@@ -9,7 +9,7 @@ import sys
 
 __all__ = ["main", "build_parser"]
 
-_TAKES_VALUE = {"--from", "--to", "--arch", "--max-shard-size"}
+_TAKES_VALUE = {"--from", "--to", "--arch", "--max-shard-size", "--dequantize-dtype"}
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -29,6 +29,10 @@ def build_parser() -> argparse.ArgumentParser:
                              "one the model's options match)")
     parser.add_argument("--max-shard-size", type=int, default=2 << 30, metavar="BYTES",
                         help="bytes per output safetensors shard (default 2 GiB)")
+    parser.add_argument("--dequantize-dtype", choices=["bfloat16", "float32"], default="bfloat16",
+                        help="--from hf with FP8 block-quantized weights (DeepSeek-V3's "
+                             "weight_scale_inv): the dtype they are dequantized to (default "
+                             "bfloat16, as DeepSeek's own fp8_cast_bf16)")
     return parser
 
 
@@ -59,7 +63,9 @@ def main(argv: list[str]) -> int:
         parser.error("--from and --to must differ")
     try:
         if args.source == "hf":
-            out = hf_to_moepar(args.src, args.dst, args.max_shard_size)
+            import torch
+            out = hf_to_moepar(args.src, args.dst, args.max_shard_size,
+                               getattr(torch, args.dequantize_dtype))
         else:
             out = moepar_to_hf(args.src, args.dst, args.arch, args.max_shard_size)
     except (ConversionError, ValueError) as e:

@@ -1,5 +1,5 @@
 """Hugging Face checkpoints in and out: Mixtral, Qwen2-MoE, Qwen3-MoE, OLMoE, DeepSeek-V3
-(config fields and tensor names in arch.py).
+(config fields in arch.py, tensor names in names.py, FP8 dequantization in fp8.py).
 
     moepar convert --from hf SRC_DIR --to moepar DST_DIR
     moepar convert --from moepar SRC_DIR --to hf DST_DIR [--arch NAME]
@@ -7,11 +7,13 @@
 
 Conversion streams: one source shard is read at a time, and a tensor is held only until its
 partner arrives (an expert's gate and up projections become one `w_in`), so two full copies of
-the model never sit in memory. Every (layer, expert) tensor must appear exactly once; a missing,
-extra or mis-shaped tensor is an error that names it. A moepar checkpoint made here is the same
-format the trainer writes (layout-free names, index, manifest), plus `config.toml` (a run config
+the model never sit in memory. FP8 block-quantized weights (DeepSeek-V3) are dequantized as they
+stream in; multi-token-prediction layers are dropped with a note. Every (layer, expert) tensor
+must appear exactly once; a missing, extra or mis-shaped tensor is an error that names it. A
+moepar checkpoint made here is the same format the trainer writes (layout-free names, index, manifest), plus `config.toml` (a run config
 with the model and router sections) and `hf_config.json` (the source's config, written back on
-export so a round trip returns the same config.json).
+export so a round trip returns the same config.json; less quantization_config and the MTP
+layers when the import removed those).
 """
 
 import dataclasses
@@ -24,9 +26,11 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 from moepar.config import sections_toml
-from moepar.hf.arch import (ARCHS, ConversionError, arch_by_name, canonical_to_hf,
-                            expected_canonical, hf_config_dict, hf_to_canonical, read_hf_config,
-                            rope_interleaved)
+from moepar.hf.arch import (ARCHS, ConversionError, arch_by_name, export_notes, hf_config_dict,
+                            load_hf_json, matching_archs, mtp_layers, read_hf_config)
+from moepar.hf.fp8 import dequantized, quantization_block
+from moepar.hf.names import (canonical_to_hf, expected_canonical, hf_to_canonical, layer_index,
+                             rope_interleaved)
 from moepar.layers.model import ModelConfig
 from moepar.layers.router import RouterConfig
 
@@ -112,17 +116,35 @@ def _checked(expected: dict, stream):
         yield name, tensor
 
 
-def _canonical_from_hf(path: str):
-    """(arch, model cfg, router cfg, stream of checked canonical tensors incl. zero expert biases)."""
+def _without_mtp(tensors, num_layers: int, num_mtp: int, dropped: list):
+    """Drops the multi-token-prediction layers (model.layers.<L .. L+num_mtp-1>.*), recording
+    their names in `dropped`; a layer beyond those stays, to be refused as unexpected."""
+    for name, tensor in tensors:
+        i = layer_index(name)
+        if i is not None and num_layers <= i < num_layers + num_mtp:
+            dropped.append(name)
+            continue
+        yield name, tensor
+
+
+def _canonical_from_hf(path: str, dtype: torch.dtype = torch.bfloat16, log=print):
+    """(arch, model cfg, router cfg, stream of checked canonical tensors incl. zero expert biases,
+    report). FP8 weights come dequantized to `dtype`; the MTP layers are dropped with a note
+    through `log`, and their names land in report["dropped"] once the stream is spent."""
+    cfg_json = load_hf_json(path)
     arch, model_cfg, router_cfg = read_hf_config(path)
+    block = quantization_block(cfg_json)     # refuses other quantizations before any tensor
+    num_mtp = mtp_layers(cfg_json)
     expected = expected_canonical(model_cfg, router_cfg)
     tied = model_cfg.tie_embeddings
-    with open(os.path.join(path, "config.json")) as f:
-        interleaved = rope_interleaved(json.load(f))
+    interleaved = rope_interleaved(cfg_json)
+    report = {"dropped": [], "dequantized": block is not None}
 
     def stream():
         produced = set()
         source = ((n, t) for n, t in hf_tensors(path) if not (tied and n == "lm_head.weight"))
+        source = dequantized(_without_mtp(source, model_cfg.num_layers, num_mtp, report["dropped"]),
+                             block, dtype)
         for name, tensor in _checked(expected, hf_to_canonical(arch, model_cfg, source, interleaved)):
             if name in produced:
                 raise ConversionError(f"tensor {name!r} appears more than once")
@@ -136,25 +158,55 @@ def _canonical_from_hf(path: str):
         if missing:
             raise ConversionError(f"{path!r} lacks {len(missing)} tensor(s) the model needs, e.g. "
                                   f"{missing[:6]}")
-    return arch, model_cfg, router_cfg, stream()
+        dropped = report["dropped"]
+        if dropped:
+            layers = sorted({layer_index(n) for n in dropped})
+            log(f"note: dropped the multi-token-prediction layer(s) {layers} "
+                f"(num_nextn_predict_layers={num_mtp}): {len(dropped)} tensors, e.g. "
+                f"{dropped[:3]}; moepar trains next-token prediction only")
+    return arch, model_cfg, router_cfg, stream(), report
 
 
-def hf_to_moepar(src: str, dst: str, max_shard_bytes: int = 2 << 30) -> str:
-    """Converts a HF folder into a moepar checkpoint directory (atomically); returns dst."""
+def _imported_hf_config(cfg: dict, report: dict) -> dict:
+    """The source's config.json as it describes the converted weights: no quantization_config
+    once dequantized, no MTP layers once dropped (what export writes back)."""
+    cfg = dict(cfg)
+    if report["dequantized"]:
+        cfg.pop("quantization_config", None)
+    if report["dropped"]:
+        for key in ("num_nextn_predict_layers", "num_mtp_layers"):
+            if key in cfg:
+                cfg[key] = 0
+    return cfg
+
+
+def hf_to_moepar(src: str, dst: str, max_shard_bytes: int = 2 << 30,
+                 dequantize_dtype: torch.dtype = torch.bfloat16, log=print) -> str:
+    """Converts a HF folder into a moepar checkpoint directory (atomically); returns dst.
+    FP8 block-quantized weights are dequantized to `dequantize_dtype` (bfloat16 or float32)."""
     from moepar.checkpoint import commit
     if os.path.exists(dst):
         raise ConversionError(f"{dst!r} already exists; choose a new directory")
-    arch, model_cfg, router_cfg, stream = _canonical_from_hf(src)
+    if dequantize_dtype not in (torch.bfloat16, torch.float32):
+        raise ConversionError(f"dequantize dtype {dequantize_dtype} is not bfloat16 or float32")
+    arch, model_cfg, router_cfg, stream, report = _canonical_from_hf(src, dequantize_dtype, log)
     tmp, writer = _write_shards(dst, "model-c{:05d}.safetensors", max_shard_bytes, stream)
+    notes = []
+    if report["dequantized"]:
+        notes.append(f"dequantized FP8 weights to {str(dequantize_dtype).removeprefix('torch.')}")
+    if report["dropped"]:
+        notes.append(f"dropped {len(report['dropped'])} multi-token-prediction tensors "
+                     f"(layers {sorted({layer_index(n) for n in report['dropped']})})")
     files = {"index.json": {"model": writer.weight_map, "optimizer": {}},
              "state.json": {"step": 0, "data_position": 0, "source": f"hf:{arch.name}",
+                            "import_notes": notes,
                             "config": {"model": dataclasses.asdict(model_cfg),
-                                       "router": dataclasses.asdict(router_cfg)}}}
+                                       "router": dataclasses.asdict(router_cfg)}},
+             "hf_config.json": _imported_hf_config(load_hf_json(src), report)}
     for name, obj in files.items():
         with open(os.path.join(tmp, name), "w") as f:
-            json.dump(obj, f, indent=1, sort_keys=True)
-    with open(os.path.join(src, "config.json")) as f, open(os.path.join(tmp, "hf_config.json"), "w") as g:
-        g.write(f.read())
+            json.dump(obj, f, indent=1 if name != "hf_config.json" else 2,
+                      sort_keys=name != "hf_config.json")
     with open(os.path.join(tmp, "config.toml"), "w") as f:
         f.write(f"# converted from {src} ({arch.name}); train with\n"
                 f"#   moepar train {dst}/config.toml --run.init_from={dst} --data.source=... \n"
@@ -163,21 +215,12 @@ def hf_to_moepar(src: str, dst: str, max_shard_bytes: int = 2 << 30) -> str:
     return dst
 
 
-def _infer_arch(model_cfg: ModelConfig) -> str:
-    if model_cfg.attention == "mla":
-        return "deepseek_v3"
-    if model_cfg.qk_norm == "head":
-        return "qwen3_moe"
-    if model_cfg.qk_norm == "full":
-        return "olmoe"
-    if model_cfg.num_shared_experts:
-        return "qwen2_moe"
-    return "mixtral"
-
-
 def moepar_to_hf(src: str, dst: str, arch_name: str | None = None,
-                 max_shard_bytes: int = 2 << 30) -> str:
-    """Writes a moepar checkpoint directory as a HF folder (sharded, with index and config.json)."""
+                 max_shard_bytes: int = 2 << 30, log=print) -> str:
+    """Writes a moepar checkpoint directory as a HF folder (sharded, with index and config.json).
+
+    The architecture: `arch_name`, else the source's (a converted HF model), else the one the
+    model's options match; a model no architecture can say is refused, naming what it has."""
     from moepar.checkpoint import canonical_names, read_canonical, verify_checkpoint
     if os.path.exists(dst):
         raise ConversionError(f"{dst!r} already exists; choose a new directory")
@@ -190,9 +233,13 @@ def moepar_to_hf(src: str, dst: str, arch_name: str | None = None,
     if os.path.isfile(hf_config_file):
         with open(hf_config_file) as f:
             source_cfg = json.load(f)
-    arch = arch_by_name(arch_name or (source_cfg or {}).get("model_type") or _infer_arch(model_cfg))
+    fits = matching_archs(model_cfg, router_cfg)
+    arch = arch_by_name(arch_name or (source_cfg or {}).get("model_type")
+                        or (fits[0] if fits else "qwen3_moe"))   # none fits: qwen3_moe's refusal
     if source_cfg is None or source_cfg.get("model_type") != arch.name:
         source_cfg = hf_config_dict(arch, model_cfg, router_cfg)
+    for note in export_notes(arch, router_cfg):
+        log(f"note: {note}")
     expected = expected_canonical(model_cfg, router_cfg)
     missing = sorted(set(expected) - set(canonical_names(src)))
     if missing:
@@ -228,16 +275,17 @@ class CausalLM(torch.nn.Module):
         return self.model(input_ids)[0]
 
 
-def from_hf(path: str, dtype: torch.dtype = torch.float32) -> CausalLM:
+def from_hf(path: str, dtype: torch.dtype = torch.float32, log=print) -> CausalLM:
     """Builds the moepar model for a HF folder and loads its weights (checked for completeness).
 
     Tensors are copied into the model one by one as they stream in: memory holds the model and
-    one source tensor, never a second copy of the weights.
+    one source tensor, never a second copy of the weights. FP8 weights are dequantized to
+    `dtype`; multi-token-prediction layers are dropped with a note through `log`.
     """
     from moepar.layers import Transformer
     from moepar.layers.experts import GroupedExperts
-    arch, model_cfg, router_cfg, stream = _canonical_from_hf(path)
     from moepar.layers.init import reset_rope_buffers
+    arch, model_cfg, router_cfg, stream, _ = _canonical_from_hf(path, dtype, log)
     with torch.device("meta"):   # no initial values: every tensor comes from the source
         model = Transformer(model_cfg, router_cfg, seed=0)
     model = model.to(dtype).to_empty(device="cpu")
