@@ -19,7 +19,7 @@ from .dims import Layout, ParallelDims
 from .expert import apply_ep
 from .handle import LocalRunner, ParallelModel, materialize
 from .pipeline import build_stage
-from .schedules import PipelineRunner
+from .pipeline_runner import PipelineRunner
 from .tensor import apply_tp
 from .zero import FullyShardedSync, ShardedAdamW, ZeroReducer
 
@@ -72,8 +72,10 @@ def parallelize(model, layout: Layout, options: Options) -> ParallelModel:
         handle.attach(sync, optimizer, None)
         return handle
     if dims.pp > 1:
+        # Under bfloat16 training hidden states cross stages in bfloat16 (half the bytes).
+        wire = torch.bfloat16 if options.compute_dtype == torch.bfloat16 else None
         runner = PipelineRunner(model, layout.group("pp"), p.pp_schedule, options.num_micro,
-                                loss_fn=handle.loss_fn, autocast=handle.autocast)
+                                loss_fn=handle.loss_fn, autocast=handle.autocast, wire_dtype=wire)
     else:
         runner = LocalRunner(model, options.num_micro, handle.loss_fn, handle.autocast)
     handle.attach(sync, optimizer, runner)

@@ -58,18 +58,21 @@ class LocalRunner:
         model.set_aux_loss_scale(1.0 / num_micro)
 
     def run(self, inputs: list, targets: list, before_action=None, after_action=None,
-            limit: int | None = None):
+            limit: int | None = None, forward_only: bool = False):
         """The step's micro-batches (or the first `limit`); returns (loss sum, per micro-batch
-        the MoE outputs' statistics)."""
+        the MoE outputs' statistics). `forward_only`: no autograd, no backward (evaluation)."""
         device = next(self.model.parameters()).device
         loss_sum = torch.zeros((), dtype=torch.float64, device=device)
         outputs = []
         for n in range(self.num_micro if limit is None else limit):
             inputs_BS = inputs[n].to(device, non_blocking=True)
             targets_BS = targets[n].to(device, non_blocking=True)
-            with self.autocast():
+            with self.autocast(), torch.no_grad() if forward_only else contextlib.nullcontext():
                 logits, moe_outputs = self.model(inputs_BS)
-            loss = self.loss_fn(logits, targets_BS)
+                loss = self.loss_fn(logits, targets_BS)
+            if forward_only:
+                loss_sum += loss
+                continue
             backward = Action("B", 0, n)
             if before_action is not None:
                 before_action(backward)
@@ -95,7 +98,7 @@ class ParallelModel:
     moe_indices: list[int] = None     # positions of this rank's MoE layers among all MoE layers
     sync: object = None               # gradient sync (ddp.py, zero.py, or LocalSync): `attach`
     optimizer: object = None
-    runner: object = None             # LocalRunner or schedules.PipelineRunner
+    runner: object = None             # LocalRunner or pipeline_runner.PipelineRunner
 
     def __post_init__(self):
         self.tp_group = self.layout.group("tp") if self.layout.dims.tp > 1 else None
@@ -156,6 +159,17 @@ class ParallelModel:
                                 limit=1)
         stats.add(outs[0], self.moe_router_cfg, self.moe_indices)
         return loss
+
+    def evaluate(self, inputs: list, targets: list) -> torch.Tensor:
+        """The sum over every rank's micro-batches of their mean cross-entropy (float64, the same
+        on every rank): forward only, no gradients, no statistics. Every rank passes its share
+        of the batches (pipeline ranks the same ones), as for a training step."""
+        loss_sum, _ = self.runner.run(inputs, targets, forward_only=True)
+        from .data import all_reduce_sum
+        all_reduce_sum([loss_sum], self.layout.group("dp"))
+        if self.layout.dims.pp > 1:     # the loss lives on the last stage
+            all_reduce_sum([loss_sum], self.layout.group("pp"))
+        return loss_sum
 
     def finish_step(self, stats, loss_sum: torch.Tensor):
         """Step-end reductions, on every rank in the same order: tp partial gradients of

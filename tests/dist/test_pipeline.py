@@ -15,7 +15,8 @@ from moepar.layers.experts import GroupedExperts
 from moepar.parallel.dims import ParallelDims
 from moepar.parallel.expert import apply_ep
 from moepar.parallel.pipeline import build_stage
-from moepar.parallel.schedules import (PipelineRunner, default_loss, measured_bubble,
+from moepar.parallel.pipeline_runner import PipelineRunner
+from moepar.parallel.schedules import (default_loss, measured_bubble,
                                        peak_in_flight, rank_order)
 
 

@@ -10,7 +10,8 @@ import torch.nn.functional as F
 
 from configs import tiny_model, token_batches
 from moepar.parallel.pipeline import build_stage, rank_chunks, split_layers
-from moepar.parallel.schedules import (Action, PipelineRunner, check_schedule, ideal_bubble,
+from moepar.parallel.pipeline_runner import PipelineRunner
+from moepar.parallel.schedules import (Action, check_schedule, ideal_bubble,
                                        peak_in_flight, rank_order, timetable)
 
 

@@ -1,0 +1,274 @@
+"""The pipeline runner: executes a schedule (schedules.py) on this rank's stage, with the
+point-to-point traffic between stages.
+
+Talks on the `pp` group:
+
+| when                      | collective                                                      |
+|---------------------------|-----------------------------------------------------------------|
+| once, at construction     | all-reduce of one element (NCCL wants a collective before P2P)  |
+| once per step             | all-gather of 4 integers: every rank's (batch, sequence, dim,   |
+|                           | wire dtype), so a disagreement raises on every rank, not a hang |
+| each time step with work  | one batch_isend_irecv: hidden states to the next chunk's rank,  |
+|                           | their gradients back; receives waited just before their use     |
+
+The time steps are the lock-step grid of `schedules.timetable`: every rank knows what its
+neighbours send at step t and posts the matching receives in the same batch, so no ordering can
+deadlock. Sends and receives are asynchronous: a receive is waited right before the action that
+consumes it, a send at the end of the step (its tensor is kept alive until then), so a rank
+computes while its neighbours' traffic is in flight. Under bfloat16 training hidden states and
+their gradients travel in bfloat16 (half the bytes) and are widened on arrival.
+Action timings use CUDA events on GPUs (host timestamps would measure kernel launches) and host
+timestamps on the CPU; they are read after the step.
+"""
+
+import contextlib
+import time
+
+import torch
+import torch.distributed as dist
+
+from .schedules import FORWARD_ONLY, Action, Event, _statistics_only, default_loss, timetable
+
+__all__ = ["PipelineRunner"]
+
+_WIRE_CODES = {torch.float32: 0, torch.float64: 1, torch.bfloat16: 2, torch.float16: 3}
+
+
+class _Clock:
+    """Timestamps for action intervals: CUDA events on GPUs, perf_counter on the CPU, converted
+    to seconds since the step began only when read (no synchronisation inside the step)."""
+
+    def __init__(self, device: torch.device):
+        self.cuda = device.type == "cuda"
+        self.start_event, self.start = None, 0.0
+
+    def now(self):
+        if self.cuda:
+            event = torch.cuda.Event(enable_timing=True)
+            event.record()
+            return event
+        return time.perf_counter()
+
+    def begin(self):
+        self.start = time.perf_counter()
+        self.start_event = self.now() if self.cuda else None
+
+    def seconds(self, stamp) -> float:
+        if not self.cuda:
+            return stamp
+        stamp.synchronize()
+        return self.start + self.start_event.elapsed_time(stamp) / 1000.0
+
+
+class PipelineRunner:
+    """Runs one step's forwards and backwards of a StageModule under a schedule.
+
+    Each micro-batch's loss is weighted 1/num_micro before backward, and MoE aux losses are
+    injected with the same weight (set here on the stage), as the trainer does without pipelining.
+    Built once per layout: `grid` (every rank's timetable) and `order` (this rank's actions).
+    After `run`: `events` (this rank's compute intervals), `step_start`, `step_end`, and
+    `peak_in_flight` (the most chunk-micro-batches whose activations were alive at once).
+    """
+
+    def __init__(self, stage, pp_group, schedule: str, num_micro: int, loss_fn=default_loss,
+                 autocast=contextlib.nullcontext, wire_dtype: torch.dtype | None = None):
+        self.stage, self.group, self.num_micro, self.loss_fn = stage, pp_group, num_micro, loss_fn
+        # Entered around each forward and its loss only: backward must not run under autocast
+        # (it would recompute fp32 regions such as the router's backward in the autocast dtype).
+        self.autocast = autocast
+        pp, virtual = stage.pp, stage.virtual
+        self.device = next(stage.parameters()).device
+        if pp > 1:
+            if pp_group is None or dist.get_world_size(pp_group) != pp:
+                size = 0 if pp_group is None else dist.get_world_size(pp_group)
+                raise ValueError(f"the stage was split for pp={pp}; the pp group has {size} ranks")
+            if dist.get_rank(pp_group) != stage.pp_rank:
+                raise ValueError(f"the stage is pp rank {stage.pp_rank}; this process is pp rank "
+                                 f"{dist.get_rank(pp_group)}")
+            self.peers = [dist.get_global_rank(pp_group, r) for r in range(pp)]
+            # Under NCCL a batch of P2P ops that only some ranks join must not be the group's
+            # first collective; this all-reduce (every pp rank, once) is.
+            dist.all_reduce(torch.zeros(1, device=self.device), group=pp_group)
+        self.pp, self.me, self.num_chunks = pp, stage.pp_rank, pp * virtual
+        self.grid = timetable(schedule, pp, virtual, num_micro)
+        self.order = [a for a in self.grid[self.me] if a is not None]
+        self._forward_grid = None
+        # Hidden states travel in the residual stream's dtype (the parameters'), or narrower.
+        self.act_dtype = stage.activation_dtype()
+        self.wire_dtype = wire_dtype or self.act_dtype
+        stage.set_aux_loss_scale(1.0 / num_micro)
+        self.clock = _Clock(self.device)
+        self._stamps, self.step_start, self.step_end, self.peak_in_flight = [], 0.0, 0.0, 0
+
+    @property
+    def events(self) -> list[Event]:
+        """This rank's action intervals of the last step (seconds; read after the step)."""
+        return [Event(a, self.clock.seconds(s), self.clock.seconds(e)) for a, s, e in self._stamps]
+
+    def _agree_on_shape(self, shape_BSD: tuple):
+        """Every pp rank checks that all ranks will exchange the same buffers: (batch, sequence,
+        dim, wire dtype) all-gathered once per step; a mismatch raises on every rank (instead of
+        a receive that waits forever)."""
+        if self.pp == 1:
+            return
+        mine = torch.tensor([*shape_BSD, _WIRE_CODES[self.wire_dtype]], device=self.device)
+        everyone = [torch.empty_like(mine) for _ in range(self.pp)]
+        dist.all_gather(everyone, mine, group=self.group)
+        rows = [tuple(t.tolist()) for t in everyone]
+        if len(set(rows)) > 1:
+            raise RuntimeError(f"pipeline ranks disagree on the hidden-state buffers (batch, "
+                               f"sequence, dim, dtype code) they exchange: {rows}; every rank "
+                               "must get micro-batches of the same shape")
+
+    def run(self, inputs: list, targets: list, before_action=None, after_action=None,
+            forward_only: bool = False):
+        """One step. Every rank passes the step's micro-batches (`inputs` tokens_BS, `targets`
+        tokens_BS, num_micro each, the same on all pp ranks): the first stage reads the inputs,
+        the last the targets, the others only their shapes. `before_action(action)` is called
+        before each of this rank's actions (e.g. to arm a gradient reducer before a last backward),
+        `after_action(action)` after it, once the time step's point-to-point traffic is posted
+        (so a data-parallel reduction never delays the activations or gradients a neighbour
+        waits for). `forward_only`: forwards without autograd (evaluation), no backward.
+
+        Returns (loss_sum, moe_outputs): the sum of the micro-batches' (unweighted) losses as a
+        detached float64 scalar, zero except on the last stage (sum it over pp to have it
+        everywhere), and per micro-batch the list of this rank's MoEOutputs in layer order (for
+        StepStats.add). Gradients accumulate into the stage's parameters.
+
+        Collectives: see the module docstring; the shape agreement is the step's one host sync.
+        """
+        m = self.num_micro
+        if len(inputs) != m or len(targets) != m:
+            raise ValueError(f"the runner was built for {m} micro-batches; got {len(inputs)} "
+                             f"inputs and {len(targets)} targets")
+        grid = self.grid
+        if forward_only:
+            if self._forward_grid is None:
+                self._forward_grid = timetable(FORWARD_ONLY, self.pp, self.stage.virtual, m)
+            grid = self._forward_grid
+        batch, seq = targets[0].shape
+        shape_BSD = (batch, seq // getattr(self.stage, "seq_split", 1), self.stage.cfg.dim)
+        self._agree_on_shape(shape_BSD)
+        # This step's buffers, keyed (chunk, micro): received inputs and output gradients, what
+        # backward needs, MoE outputs; dropped when the step ends.
+        loss_sum = torch.zeros((), dtype=torch.float64, device=self.device)
+        self._state = dict(inputs=inputs, targets=targets, acts={}, grads={}, saved={}, moe={},
+                           loss_sum=loss_sum, forward_only=forward_only, pending={})
+        self._stamps, alive, self.peak_in_flight = [], 0, 0
+        keep, works = [], []   # tensors being sent (alive until their send completes), sends
+        self.step_start = time.perf_counter()
+        self.clock.begin()
+        with torch.no_grad() if forward_only else contextlib.nullcontext():
+            for step in range(len(grid[0])):
+                ops, recvs = [], []
+                action = grid[self.me][step]
+                if action is not None:
+                    self._wait_inputs(action)
+                    if before_action is not None:
+                        before_action(action)
+                    start = self.clock.now()
+                    sent = self._forward(action) if action.kind == "F" else self._backward(action)
+                    self._stamps.append((action, start, self.clock.now()))
+                    alive += 1 if action.kind == "F" else -1
+                    self.peak_in_flight = max(self.peak_in_flight, alive)
+                    if sent is not None:
+                        peer, tensor = sent
+                        if tuple(tensor.shape) != shape_BSD:
+                            raise RuntimeError(f"{action}: sending {tuple(tensor.shape)}; "
+                                               f"receivers expect {shape_BSD}")
+                        tensor = tensor.to(self.wire_dtype).contiguous()
+                        keep.append(tensor)
+                        ops.append(dist.P2POp(dist.isend, tensor, self.peers[peer], self.group))
+                for rank in range(self.pp):
+                    other = grid[rank][step]
+                    target = None if rank == self.me or other is None else self._receives(other)
+                    if target is not None:
+                        buf = torch.empty(shape_BSD, dtype=self.wire_dtype, device=self.device)
+                        recvs.append((target, buf, len(ops)))
+                        ops.append(dist.P2POp(dist.irecv, buf, self.peers[rank], self.group))
+                if ops:
+                    posted = dist.batch_isend_irecv(ops)
+                    received = {index for _, _, index in recvs}
+                    works += [w for i, w in enumerate(posted) if i not in received]
+                    for target, buf, index in recvs:
+                        self._state["pending"][target] = (posted[index], buf)
+                if action is not None and after_action is not None:
+                    after_action(action)
+        # Every send completes before its tensor may go (each work is waited exactly once: a
+        # gloo receive waited twice blocks forever); every receive was consumed by an action.
+        for work in works:
+            work.wait()
+        del keep
+        assert not self._state["pending"], f"receives never consumed: {self._state['pending']}"
+        self.step_end = time.perf_counter()
+        state, self._state = self._state, None
+        moe_outputs = [[out for j in sorted(state["moe"][n]) for out in state["moe"][n][j]]
+                       for n in range(m)]
+        return state["loss_sum"], moe_outputs
+
+    def _wait_inputs(self, action: Action):
+        """Waits for the receives this action consumes and files them, widened to the
+        residual stream's dtype."""
+        c, n = action.chunk, action.micro
+        kind = "acts" if action.kind == "F" else "grads"
+        pending = self._state["pending"].pop((kind, (c, n)), None)
+        if pending is not None:
+            work, buf = pending
+            work.wait()
+            self._state[kind][(c, n)] = buf.to(self.act_dtype)
+
+    def _owner(self, chunk: int) -> int:
+        return chunk % self.pp
+
+    def _receives(self, action: Action):
+        """Where this rank files what `action` (on another rank) sends it, or None."""
+        c, n = action.chunk, action.micro
+        if action.kind == "F" and c < self.num_chunks - 1 and self._owner(c + 1) == self.me:
+            return "acts", (c + 1, n)
+        if action.kind == "B" and c > 0 and self._owner(c - 1) == self.me:
+            return "grads", (c - 1, n)
+        return None
+
+    def _forward(self, action: Action):
+        """Runs the chunk; returns (peer, tensor) to send, or None (last chunk, or kept local)."""
+        state, (c, n) = self._state, action[1:]
+        training = not state["forward_only"]
+        if c == 0:
+            x = state["inputs"][n].to(self.device, non_blocking=True)
+        else:
+            x = state["acts"].pop((c, n))
+            if training:
+                x.requires_grad_()
+        with self.autocast():
+            out, moe_outputs = self.stage(x, chunk=c // self.pp)
+            if c == self.num_chunks - 1:
+                loss = self.loss_fn(out, state["targets"][n].to(out.device, non_blocking=True))
+        # Keep only what statistics need: `y` and the injected loss hold activations and graph.
+        state["moe"].setdefault(n, {})[c // self.pp] = [_statistics_only(o) for o in moe_outputs]
+        if c == self.num_chunks - 1:
+            state["loss_sum"] += loss.detach().to(torch.float64)
+            if training:
+                state["saved"][(c, n)] = (x, loss / self.num_micro)
+            return None
+        if training:
+            state["saved"][(c, n)] = (x, out)
+        if self._owner(c + 1) == self.me:      # the next chunk is ours too (pp=1, virtual>1)
+            state["acts"][(c + 1, n)] = out.detach()
+            return None
+        return self._owner(c + 1), out.detach()
+
+    def _backward(self, action: Action):
+        state, (c, n) = self._state, action[1:]
+        x, out = state["saved"].pop((c, n))
+        if c == self.num_chunks - 1:
+            out.backward()
+        else:
+            torch.autograd.backward(out, state["grads"].pop((c, n)))
+        del out
+        if c == 0:
+            return None
+        grad = x.grad if x.grad is not None else torch.zeros_like(x)
+        if self._owner(c - 1) == self.me:
+            state["grads"][(c - 1, n)] = grad
+            return None
+        return self._owner(c - 1), grad
