@@ -158,11 +158,12 @@ class OutputConfig:
     init_from: str = ""           # start from these weights (e.g. a converted HF model): step 0, new optimizer
     overwrite: bool = False       # allow a fresh run in a dir that already holds checkpoints
     tensorboard: bool = True
+    tb_image_every: int = 10      # steps between TensorBoard's layer x expert heatmaps (and step 1); 0: none
 
     def __post_init__(self):
         if not self.dir:
             raise ValueError("run.dir must not be empty")
-        for name in ("log_every", "checkpoint_every", "keep_checkpoints"):
+        for name in ("log_every", "checkpoint_every", "keep_checkpoints", "tb_image_every"):
             if getattr(self, name) < 0:
                 raise ValueError(f"run.{name}={getattr(self, name)} must be >= 0")
         for name in ("resume_from", "init_from"):
