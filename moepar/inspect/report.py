@@ -15,6 +15,8 @@ Definitions (the README and `moepar inspect --help` repeat them):
   and the spread after the first step.
 """
 
+import math
+
 import numpy as np
 import torch
 
@@ -131,8 +133,13 @@ def _over(values: dict) -> str:
 def _bias_text(bias: dict | None) -> str:
     if bias is None:
         return "not learned"
-    return (f"e{bias['min_expert']} {bias['min']:+.4g} .. e{bias['max_expert']} {bias['max']:+.4g}"
-            f" (spread {bias['range']:.4g}; after the first step {bias['first_range']:.4g})")
+    # Three significant digits of the spread, the same decimals for every number (a bias of
+    # 1e-10 is float32 rounding beside steps of 1e-3, and reads as 0.000).
+    spread = max(bias["range"], bias["first_range"], 1e-12)
+    d = min(max(2 - math.floor(math.log10(spread)), 0), 12)
+    return (f"e{bias['min_expert']} {bias['min']:+.{d}f} .. e{bias['max_expert']} "
+            f"{bias['max']:+.{d}f} (spread {bias['range']:.{d}f}; after the first step "
+            f"{bias['first_range']:.{d}f})")
 
 
 def _rows(stats: dict | None, with_step: bool) -> list[tuple[str, str]]:
@@ -168,17 +175,19 @@ def format_text(reports: list[dict]) -> str:
     with_step = reports[0]["step"] is not None
     layers = sorted({s["layer"] for r in reports for s in r["layers"]})
     by_layer = [{s["layer"]: s for s in r["layers"]} for r in reports]
+    tables = []
     for layer in layers:
         columns = [_rows(b.get(layer), with_step) for b in by_layer]
         labels = [label for label, _ in max(columns, key=len)]
         cells = [[text for _, text in c] + [""] * (len(labels) - len(c)) for c in columns]
-        head = [f"layer {layer}"]
-        if len(reports) > 1:
-            head = [f"layer {layer}"] + [r["run"] for r in reports]
-        table = [head] + [[f"  {label}"] + [col[i] for col in cells]
-                          for i, label in enumerate(labels)]
-        widths = [max(len(row[c]) for row in table if c < len(row))
-                  for c in range(max(map(len, table)))]
+        head = [f"layer {layer}"] + ([r["run"] for r in reports] if len(reports) > 1 else [])
+        tables.append([head] + [[f"  {label}"] + [col[i] for col in cells]
+                                for i, label in enumerate(labels)])
+    # One set of column widths for every layer, so the runs line up down the whole report.
+    rows = [row for table in tables for row in table]
+    widths = [max(len(row[c]) for row in rows if c < len(row))
+              for c in range(max(map(len, rows)))]
+    for table in tables:
         lines.append("")
         lines += ["   ".join(cell.ljust(width) for cell, width in zip(row, widths)).rstrip()
                   for row in table]

@@ -4,8 +4,8 @@ with errors that say what is wrong with the directory or which line of the file.
 Legend: S recorded steps, L MoE layers, E experts.
 
 A crash can tear the file's last line only (each step is appended as one line): a last line that
-does not parse is left out and reported (`RunLoad.torn_line`); a bad line anywhere else means the
-file is damaged or foreign, and is refused with its line number.
+is not JSON is left out and reported (`RunLoad.torn_line`); any other bad line (not JSON, or JSON
+of the wrong shape) means the file is damaged or foreign, and is refused with its line number.
 """
 
 import json
@@ -106,6 +106,12 @@ def read_run(run_dir: str) -> RunLoad:
     for number, line in enumerate(lines[1:], start=2):
         try:
             record = json.loads(line)
+        except ValueError as e:
+            if number == len(lines):     # only the last line can be torn by a crash mid-write
+                torn = number
+                break
+            raise InspectError(f"{path}:{number}: {e}") from None
+        try:
             if not isinstance(record, dict) or not isinstance(record.get("step"), int):
                 raise ValueError("no integer 'step'")
             if steps and record["step"] <= steps[-1]:
@@ -115,9 +121,6 @@ def read_run(run_dir: str) -> RunLoad:
                    _matrix(record, "assigned", shape_L),
                    _matrix(record, "bias", shape_LE) if "bias" in record else None)
         except ValueError as e:
-            if number == len(lines):     # only the last line can be torn by a crash mid-write
-                torn = number
-                break
             raise InspectError(f"{path}:{number}: {e}") from None
         steps.append(record["step"])
         for target, value in zip((tokens, dropped, assigned, bias), row, strict=True):
