@@ -6,7 +6,8 @@ Legend: L MoE layers, E experts (or EP ranks), S steps.
 Figures are `matplotlib.figure.Figure` objects with their own Agg canvas, never pyplot: no global
 figure registry, no display, nothing shared with a training loop that draws now and then. Layers
 are labelled with the model's layer numbers. Sizes are fixed by the data's shape (see the
-`*_size` functions, in inches at DPI dots per inch), so a picture's size says what it holds.
+`*_size` functions, in inches at DPI dots per inch), so a picture's size says what it holds; they
+are multiples of 1/4 inch, exact in binary, so every matplotlib rounds them to the same pixels.
 """
 
 import math
@@ -51,10 +52,10 @@ def _index_ticks(axis, labels: list):
 
 
 def heatmap_size(num_layers: int, num_experts: int, panels: int = 1) -> tuple[float, float]:
-    """(width, height) in inches: per panel 2 + 0.3 per column, within [5, 20]; plus 1.2 for the
-    colour bar; height 1.6 + 0.3 per layer, within [3, 20]."""
-    width = panels * _clamp(2 + 0.3 * num_experts, 5, 20) + 1.2
-    return width, _clamp(1.6 + 0.3 * num_layers, 3, 20)
+    """(width, height) in inches: per panel 2 + 0.25 per column, within [5, 20]; plus 1.25 for
+    the colour bar; height 1.5 + 0.25 per layer, within [3, 20]."""
+    width = panels * _clamp(2 + 0.25 * num_experts, 5, 20) + 1.25
+    return width, _clamp(1.5 + 0.25 * num_layers, 3, 20)
 
 
 def heatmap_figure(panels: list[tuple[str, np.ndarray, list[int]]], title: str,
@@ -90,8 +91,8 @@ def heatmap_rgb(ratio_LE: np.ndarray, layers: list[int], title: str,
 
 
 def imbalance_size(panels: int = 1) -> tuple[float, float]:
-    """(width, height) in inches: 7 per panel plus 1.2 for the legend, by 4."""
-    return 7.0 * panels + 1.2, 4.0
+    """(width, height) in inches: 7 per panel plus 1.25 for the legend, by 4."""
+    return 7.0 * panels + 1.25, 4.0
 
 
 def imbalance_figure(panels: list[tuple[str, np.ndarray, np.ndarray, list[int]]]):
@@ -126,9 +127,10 @@ def imbalance_figure(panels: list[tuple[str, np.ndarray, np.ndarray, list[int]]]
 
 
 def tokens_size(num_layers: int) -> tuple[float, float]:
-    """(width, height) in inches: up to 4 layer panels a row, each 3.2 by 2.4, plus a 0.8 band."""
+    """(width, height) in inches: up to 4 layer panels a row, each 3.25 by 2.5, plus 0.5 of
+    margin across and 0.75 down (title, legend)."""
     cols = min(num_layers, 4)
-    return 3.2 * cols + 0.4, 2.4 * math.ceil(num_layers / cols) + 0.8
+    return 3.25 * cols + 0.5, 2.5 * math.ceil(num_layers / cols) + 0.75
 
 
 def tokens_figure(runs: list[tuple[str, int, np.ndarray, list[int]]]):

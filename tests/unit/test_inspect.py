@@ -221,13 +221,13 @@ def test_plots_are_pngs_of_the_documented_sizes(tmp_path, capsys):
     hand_run(a)
     hand_run(b)
     assert main([str(a), "--plots", str(tmp_path / "one"), "--step", "6"]) == 0
-    # heatmap: 2 layers x 6 experts -> (max(5, 2 + 1.8) + 1.2) x max(3, 1.6 + 0.6) inches at 100 dpi
-    # imbalance: 7 + 1.2 by 4; tokens: 2 panels of 3.2 + 0.4 by 2.4 + 0.8
-    sizes = {"heatmap.png": (620, 300), "imbalance.png": (820, 400), "tokens_step_6.png": (680, 320)}
+    # heatmap: 2 layers x 6 experts -> (max(5, 2 + 1.5) + 1.25) x max(3, 1.5 + 0.5) inches at
+    # 100 dpi; imbalance: 7 + 1.25 by 4; tokens: 2 panels of 3.25 + 0.5 by 2.5 + 0.75
+    sizes = {"heatmap.png": (625, 300), "imbalance.png": (825, 400), "tokens_step_6.png": (700, 325)}
     for name, size in sizes.items():
         assert png_size(tmp_path / "one" / name) == size, name
     assert main([str(a), "--compare", str(b), "--plots", str(tmp_path / "two")]) == 0
-    sizes = {"heatmap.png": (1120, 300), "imbalance.png": (1520, 400), "tokens_step_10.png": (680, 320)}
+    sizes = {"heatmap.png": (1125, 300), "imbalance.png": (1525, 400), "tokens_step_10.png": (700, 325)}
     for name, size in sizes.items():
         assert png_size(tmp_path / "two" / name) == size, name
     assert f"wrote {tmp_path / 'two' / 'heatmap.png'}" in capsys.readouterr().out
@@ -258,6 +258,6 @@ def test_report_of_a_real_run_matches_its_load_file(trained, capsys):
 
 def test_plots_of_a_real_run(trained, tmp_path, capsys):
     assert main([str(trained), "--plots", str(tmp_path)]) == 0
-    assert png_size(tmp_path / "heatmap.png") == (620, 300)      # 2 layers x 4 experts
-    assert png_size(tmp_path / "tokens_step_6.png") == (680, 320)
-    assert png_size(tmp_path / "imbalance.png") == (820, 400)
+    assert png_size(tmp_path / "heatmap.png") == (625, 300)      # 2 layers x 4 experts
+    assert png_size(tmp_path / "tokens_step_6.png") == (700, 325)
+    assert png_size(tmp_path / "imbalance.png") == (825, 400)

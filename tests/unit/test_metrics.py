@@ -119,8 +119,8 @@ def test_tensorboard_names_layers_by_model_number_and_draws_every_n_steps(tmp_pa
     for tag in ("load/layer_x_expert", "load/layer_x_ep_rank"):
         images = events.Images(tag)
         assert [i.step for i in images] == [1, 3, 6]
-        # heatmap_size(2 layers, 3 columns): width max(5, 2.9) + 1.2 in, height max(3, 2.2) in
-        assert {(i.width, i.height) for i in images} == {(620, 300)}
+        # heatmap_size(2 layers, 3 columns): width max(5, 2.75) + 1.25 in, height max(3, 2) in
+        assert {(i.width, i.height) for i in images} == {(625, 300)}
 
 
 def test_tb_image_every_is_validated(tmp_path):
