@@ -151,7 +151,9 @@ def load_record(step: int, stats: StepStats, expert_bias_LE=None) -> dict:
               "dropped": _numbers(stats.dropped_L.tolist()),
               "assigned": _numbers(stats.assignments_L.tolist())}
     if expert_bias_LE is not None:
-        record["bias"] = [[float(f"{v:.6g}") for v in row] for row in expert_bias_LE.tolist()]
+        # 5 significant digits: a bias moves by router.bias_update_rate a step (1e-3 typical),
+        # so this tells apart every step's value up to 100; float32's 9 digits would double the line.
+        record["bias"] = [[float(f"{v:.5g}") for v in row] for row in expert_bias_LE.tolist()]
     return record
 
 
@@ -180,8 +182,10 @@ class MetricsWriter:
         with open(self.path, "a") as f:
             f.write(json.dumps(record) + "\n")
         if stats is not None and self.layers:
+            line = json.dumps(load_record(record["step"], stats, expert_bias_LE),
+                              separators=(",", ":"))
             with open(self.load_path, "a") as f:
-                f.write(json.dumps(load_record(record["step"], stats, expert_bias_LE)) + "\n")
+                f.write(line + "\n")
         if self.tb is None:
             return
         step = record["step"]

@@ -76,7 +76,7 @@ def test_load_file_holds_header_and_every_step(tmp_path):
         {"step": 2, "tokens": [[2, 0, 2], [1, 1, 2]], "dropped": [0, 0], "assigned": [4, 4],
          "bias": [[0.5, -0.25, 0.0], [0.002, 0.0, -0.002]]}]
     # counts are written as JSON integers, not 1.0
-    assert '"tokens": [[1, 0, 2]' in (tmp_path / LOAD_FILE).read_text()
+    assert '"tokens":[[1,0,2]' in (tmp_path / LOAD_FILE).read_text()
 
 
 def test_load_file_is_trimmed_on_resume_like_metrics(tmp_path):
