@@ -75,10 +75,13 @@ def test_optional_dev_dependencies_have_lower_bounds_too():
         assert re.fullmatch(r"[A-Za-z0-9_.-]+>=[0-9][0-9.]*", req.replace(" ", "")), req
 
 
-def test_torch_bound_is_the_fsdp2_one():
-    """parallel/zero.py refuses zero=3 below torch 2.8; the declared bound is that version."""
-    assert declared()["torch"] == "2.8"
-    assert "needs torch >= 2.8" in (ROOT / "parallel" / "zero.py").read_text()
+def test_torch_bound_admits_zero3():
+    """The declared floor is at least the torch that parallel/zero.py needs for zero=3 at all."""
+    from torch.torch_version import TorchVersion
+    need = re.search(r"parallel.zero=3 needs torch >= ([0-9.]+)",
+                     (ROOT / "parallel" / "zero.py").read_text())
+    assert need, "parallel/zero.py's zero=3 version check moved; update this test"
+    assert TorchVersion(declared()["torch"]) >= need.group(1)
 
 
 @pytest.fixture(scope="module")
