@@ -19,7 +19,7 @@ COMMANDS = {
     "train": ("moepar.launch", "train a model from a TOML config, on one or many processes"),
     "convert": ("moepar.hf.cli", "convert Hugging Face checkpoints to moepar and back"),
     "bench": ("moepar.bench", "benchmarks: moe-layer, dispatch, memory, pipeline"),
-    "inspect": ("moepar.inspect", "expert load of a run: hot, cold and dead experts, drops, bias; plots"),
+    "inspect": ("moepar.inspect", "a run's expert load: hot, cold, dead experts, drops, plots"),
 }
 
 

@@ -158,7 +158,7 @@ class OutputConfig:
     init_from: str = ""           # start from these weights (e.g. a converted HF model): step 0, new optimizer
     overwrite: bool = False       # allow a fresh run in a dir that already holds checkpoints
     tensorboard: bool = True
-    tb_image_every: int = 10      # steps between TensorBoard's layer x expert heatmaps (and step 1); 0: none
+    tb_image_every: int = 10      # steps between TensorBoard load heatmaps (and step 1); 0: none
 
     def __post_init__(self):
         if not self.dir:
@@ -308,7 +308,7 @@ def parse_overrides(args: list[str]) -> dict:
 
 
 def packaged_examples() -> dict[str, str]:
-    """The example configs installed with moepar (the repository's examples/*.toml): {name: path}."""
+    """The example configs installed with moepar (the checkout's examples/*.toml): {name: path}."""
     from importlib.resources import files
     return {p.name[:-len(".toml")]: str(p) for p in files("moepar.examples").iterdir()
             if p.name.endswith(".toml")}

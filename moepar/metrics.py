@@ -152,7 +152,7 @@ def load_record(step: int, stats: StepStats, expert_bias_LE=None) -> dict:
               "assigned": _numbers(stats.assignments_L.tolist())}
     if expert_bias_LE is not None:
         # 5 significant digits: a bias moves by router.bias_update_rate a step (1e-3 typical),
-        # so this tells apart every step's value up to 100; float32's 9 digits would double the line.
+        # so this tells every step's value apart up to 100; float32's 9 digits double the line.
         record["bias"] = [[float(f"{v:.5g}") for v in row] for row in expert_bias_LE.tolist()]
     return record
 
@@ -211,7 +211,8 @@ class MetricsWriter:
                 sum_squares=float((load_E * torch.arange(num_experts) ** 2).sum()),
                 bucket_limits=[float(e + 1) for e in range(num_experts)],
                 bucket_counts=load_E.tolist(), global_step=step)
-            self.tb.add_scalar(f"imbalance/max_over_mean/layer_{layer}", float(max_ratio_L[row]), step)
+            self.tb.add_scalar(f"imbalance/max_over_mean/layer_{layer}", float(max_ratio_L[row]),
+                               step)
             self.tb.add_scalar(f"imbalance/cv/layer_{layer}", float(cv_L[row]), step)
             drop = stats.dropped_L[row] / stats.assignments_L[row].clamp_min(1)
             self.tb.add_scalar(f"dropped_fraction/layer_{layer}", float(drop), step)

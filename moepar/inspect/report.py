@@ -61,7 +61,8 @@ def _bias(bias_SE: np.ndarray) -> dict | None:
     first, last = bias_SE[recorded][0], bias_SE[recorded][-1]
     return {"min": float(last.min()), "min_expert": int(last.argmin()),
             "max": float(last.max()), "max_expert": int(last.argmax()),
-            "range": float(last.max() - last.min()), "first_range": float(first.max() - first.min())}
+            "range": float(last.max() - last.min()),
+            "first_range": float(first.max() - first.min())}
 
 
 def layer_stats(run: RunLoad, last: int, step: int | None = None) -> list[dict]:

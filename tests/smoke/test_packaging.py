@@ -143,7 +143,8 @@ def test_train_tiny_runs_the_packaged_config_from_the_installed_wheel(wheel, tmp
 def test_config_names_resolve_to_packaged_examples(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     assert config_path("tiny") == config_path("tiny.toml")
-    assert pathlib.Path(config_path("tiny")).read_text() == (ROOT / "examples/tiny.toml").read_text()
+    packaged = pathlib.Path(config_path("tiny"))
+    assert packaged.read_text() == (ROOT / "examples/tiny.toml").read_text()
     (tmp_path / "tiny").write_text("")                # a file of that name wins
     assert config_path("tiny") == "tiny"
     assert config_path("sub/tiny.toml") == "sub/tiny.toml"       # a path is never an example
@@ -154,7 +155,8 @@ def test_config_names_resolve_to_packaged_examples(tmp_path, monkeypatch):
 
 @pytest.mark.skipif(os.environ.get("MOEPAR_MIN_DEPS") != "1",
                     reason="installs the minimum versions in a scratch venv (minutes, a ~4 GB "
-                           "torch download unless MOEPAR_MIN_TORCH is set); MOEPAR_MIN_DEPS=1 runs it")
+                           "torch download unless MOEPAR_MIN_TORCH is set); MOEPAR_MIN_DEPS=1 "
+                           "runs it")
 @pytest.mark.timeout(3600)
 def test_unit_tests_pass_on_the_minimum_versions(tmp_path):
     result = subprocess.run([str(ROOT / ".ci" / "min-deps"), str(tmp_path / "venv")],

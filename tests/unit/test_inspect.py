@@ -156,7 +156,8 @@ STEP = '{"step": %d, "tokens": [[3, 1]], "dropped": [0], "assigned": [4]}'
     (lambda d: write(d / "config.toml", ""), "is a moepar run without expert_load.jsonl"),
     (lambda d: write(d / "expert_load.jsonl", ""), "is empty"),
     (lambda d: write(d / "expert_load.jsonl", HEADER + "\n"), "has no recorded steps yet"),
-    (lambda d: write(d / "expert_load.jsonl", '{"step": 1}\n'), "expert_load.jsonl:1: not a moepar"),
+    (lambda d: write(d / "expert_load.jsonl", '{"step": 1}\n'),
+     "expert_load.jsonl:1: not a moepar"),
     (lambda d: write(d / "expert_load.jsonl", HEADER.replace('[1]', '[]') + "\n"),
      "the model has no MoE layers"),
     (lambda d: write(d / "expert_load.jsonl", "\n".join([HEADER, STEP % 1, '{"step": 2, "tok',
@@ -223,11 +224,13 @@ def test_plots_are_pngs_of_the_documented_sizes(tmp_path, capsys):
     assert main([str(a), "--plots", str(tmp_path / "one"), "--step", "6"]) == 0
     # heatmap: 2 layers x 6 experts -> (max(5, 2 + 1.5) + 1.25) x max(3, 1.5 + 0.5) inches at
     # 100 dpi; imbalance: 7 + 1.25 by 4; tokens: 2 panels of 3.25 + 0.5 by 2.5 + 0.75
-    sizes = {"heatmap.png": (625, 300), "imbalance.png": (825, 400), "tokens_step_6.png": (700, 325)}
+    sizes = {"heatmap.png": (625, 300), "imbalance.png": (825, 400),
+             "tokens_step_6.png": (700, 325)}
     for name, size in sizes.items():
         assert png_size(tmp_path / "one" / name) == size, name
     assert main([str(a), "--compare", str(b), "--plots", str(tmp_path / "two")]) == 0
-    sizes = {"heatmap.png": (1125, 300), "imbalance.png": (1525, 400), "tokens_step_10.png": (700, 325)}
+    sizes = {"heatmap.png": (1125, 300), "imbalance.png": (1525, 400),
+             "tokens_step_10.png": (700, 325)}
     for name, size in sizes.items():
         assert png_size(tmp_path / "two" / name) == size, name
     assert f"wrote {tmp_path / 'two' / 'heatmap.png'}" in capsys.readouterr().out

@@ -102,8 +102,8 @@ def test_tensorboard_names_layers_by_model_number_and_draws_every_n_steps(tmp_pa
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
     writer = MetricsWriter(str(tmp_path), True, ep=3, model=MODEL, image_every=3)
     for step in range(1, 8):
-        writer.write({"step": step, "loss": 1.0}, stats_with([[4, 1, 1], [2, 2, 2]], [0, 1], [6, 6]),
-                     torch.zeros(2, 3))
+        stats = stats_with([[4, 1, 1], [2, 2, 2]], [0, 1], [6, 6])
+        writer.write({"step": step, "loss": 1.0}, stats, torch.zeros(2, 3))
     writer.close()
     events = EventAccumulator(str(tmp_path / "tb"), size_guidance={"images": 0})
     events.Reload()
