@@ -176,8 +176,6 @@ class PendingSave:
         """({file: safetensors entries}, the index entries this rank contributes)."""
         engine, tag = self.engine, f"r{self.engine.layout.rank:05d}"
         stage = _HostStaging()
-        if snapshot:     # own copies now: the tensors change as training goes on
-            stage = lambda t, real=stage: real(t).clone()   # noqa: E731
         canonical = engine.canonical
         written = {"files": {}, "model": {}, "optimizer": {}}
         model_file, optim_file, rng_file = (f"{kind}-{tag}.safetensors"
@@ -199,8 +197,8 @@ class PendingSave:
         files[optim_file] = entries
         files[rng_file] = [(k, v.dtype, tuple(v.shape), lambda v=v: v)
                            for k, v in _rng_state().items()]
-        if snapshot:
-            files = {f: [(k, d, s, lambda v=produce(): v) for k, d, s, produce in entries]
+        if snapshot:     # own copies now: every tensor (step counts too) changes as training goes on
+            files = {f: [(k, d, s, lambda v=produce().clone(): v) for k, d, s, produce in entries]
                      for f, entries in files.items()}
         return files, written
 

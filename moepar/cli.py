@@ -19,6 +19,7 @@ COMMANDS = {
     "train": ("moepar.launch", "train a model from a TOML config, on one or many processes"),
     "convert": ("moepar.hf.cli", "convert Hugging Face checkpoints to moepar and back"),
     "data": ("moepar.data.cli", "tokenize text into a prepared folder: moepar data prepare ..."),
+    "inspect": ("moepar.inspect", "a run's expert load: hot, cold, dead experts, drops, plots"),
     "bench": ("moepar.bench", "benchmarks: moe-layer, dispatch, memory, pipeline, checkpoint"),
 }
 

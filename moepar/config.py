@@ -22,8 +22,8 @@ from moepar.parallel.schedules import SCHEDULES
 from moepar.parallel.tensor import check_tp
 
 __all__ = ["RunConfig", "ParallelConfig", "TrainConfig", "DataConfig", "OutputConfig",
-           "load_config", "parse_overrides", "to_toml", "to_dict", "sections_toml",
-           "config_reference"]
+           "load_config", "config_path", "packaged_examples", "parse_overrides", "to_toml",
+           "to_dict", "sections_toml", "config_reference"]
 
 DTYPES = ("float32", "bfloat16", "float64")
 DATA_SOURCES = ("builtin", "text", "tokens")
@@ -207,11 +207,12 @@ class OutputConfig:
     overwrite: bool = False       # allow a fresh run in a dir that already holds checkpoints
     async_checkpoint: bool = False  # copy to host memory, write in the background while training
     tensorboard: bool = True
+    tb_image_every: int = 10      # steps between TensorBoard load heatmaps (and step 1); 0: none
 
     def __post_init__(self):
         if not self.dir:
             raise ValueError("run.dir must not be empty")
-        for name in ("log_every", "checkpoint_every", "keep_checkpoints"):
+        for name in ("log_every", "checkpoint_every", "keep_checkpoints", "tb_image_every"):
             if getattr(self, name) < 0:
                 raise ValueError(f"run.{name}={getattr(self, name)} must be >= 0")
         for name in ("resume_from", "init_from"):
@@ -355,10 +356,31 @@ def parse_overrides(args: list[str]) -> dict:
     return tree
 
 
+def packaged_examples() -> dict[str, str]:
+    """The example configs installed with moepar (the checkout's examples/*.toml): {name: path}."""
+    from importlib.resources import files
+    return {p.name[:-len(".toml")]: str(p) for p in files("moepar.examples").iterdir()
+            if p.name.endswith(".toml")}
+
+
+def config_path(path: str) -> str:
+    """A file as is; a bare name that is no file ('tiny', 'tiny.toml') names a packaged example."""
+    if os.path.isfile(path) or os.path.dirname(path):
+        return path
+    examples = packaged_examples()
+    name = path[:-len(".toml")] if path.endswith(".toml") else path
+    if name not in examples:
+        raise ValueError(f"config file {path!r} does not exist, and it is not one of the packaged "
+                         f"examples: {', '.join(sorted(examples))}")
+    return examples[name]
+
+
 def load_config(path: str | None = None, overrides: list[str] = ()) -> RunConfig:
-    """Reads TOML (if given), applies overrides, and validates everything. Raises ValueError."""
+    """Reads TOML (a file, or a packaged example's name), applies overrides, and validates
+    everything. Raises ValueError."""
     tree: dict = {}
     if path:
+        path = config_path(path)
         try:
             with open(path, "rb") as f:
                 tree = tomllib.load(f)

@@ -1,10 +1,25 @@
-"""Per-step router statistics and where they go: metrics.jsonl, TensorBoard, the progress line.
+"""Per-step router statistics and where they go: metrics.jsonl, expert_load.jsonl, TensorBoard.
 
-Legend: L MoE layers, E experts.
+Legend: L MoE layers, E experts, P expert-parallel ranks.
 
 `StepStats` is owned by one training step: every micro-batch adds each MoE layer's losses and
 loads (device tensors, no sync); `summary()` turns them into numbers once at step end. Parallel
 runs reduce the same tensors across ranks before that (every rank, same order).
+
+Its rows are the MoE layers in model order; everything a user reads names a layer by the model's
+layer number (`layer_3` is model layer 3, see `moe_layer_numbers`), never by its row.
+
+Files in the run directory, written by rank 0 only, one JSON object per line, appended per step
+(a crash can tear only the last line) and trimmed to the resumed checkpoint's step on resume:
+
+| file               | first line | one line per step                                            |
+|--------------------|------------|--------------------------------------------------------------|
+| metrics.jsonl      | -          | step, loss, aux losses, drop fraction, imbalance, lr, ...    |
+| expert_load.jsonl  | a header   | step, tokens [L][E], dropped [L], assigned [L], bias [L][E]  |
+
+The expert-load header names the format, the model's MoE layer numbers and the expert count;
+`moepar inspect` reads it (moepar/inspect/runload.py). `bias` is there when the routers learn an
+expert bias (router.bias_update_rate > 0).
 """
 
 import json
@@ -13,7 +28,17 @@ import os
 
 import torch
 
-__all__ = ["StepStats", "MetricsWriter", "load_heatmap"]
+__all__ = ["StepStats", "MetricsWriter", "imbalance_L", "moe_layer_numbers", "LOAD_FILE",
+           "LOAD_FORMAT", "LOAD_VERSION"]
+
+LOAD_FILE = "expert_load.jsonl"
+LOAD_FORMAT = "moepar.expert_load"
+LOAD_VERSION = 1
+
+
+def moe_layer_numbers(model_cfg) -> list[int]:
+    """The model layer number of each StepStats row (first_k_dense, moe_every, ... applied)."""
+    return [i for i in range(model_cfg.num_layers) if model_cfg.is_moe_layer(i)]
 
 
 class StepStats:
@@ -76,43 +101,78 @@ class StepStats:
 
 
 def imbalance_L(tokens_LE: torch.Tensor):
-    """Per layer: busiest expert over the mean load, and the coefficient of variation."""
-    mean_L = tokens_LE.mean(1).clamp_min(1e-12)
-    return tokens_LE.amax(1) / mean_L, tokens_LE.std(1, correction=0) / mean_L
-
-
-def load_heatmap(tokens_LE: torch.Tensor, cell: int = 24) -> torch.Tensor:
-    """A [3, L*cell, E*cell] image in [0, 1]: blue = idle, white = mean load, red = 2x mean or more."""
-    ratio = tokens_LE / tokens_LE.mean(1, keepdim=True).clamp_min(1e-12)
-    t = (ratio / 2).clamp(0, 1).float()                    # 0 idle, 0.5 mean, 1 hot
-    up, down = (2 * t - 1).clamp(0, 1), (1 - 2 * t).clamp(0, 1)
-    rgb = torch.stack([1 - down, 1 - up - down, 1 - up])   # blue->white->red
-    rgb = rgb.clamp(0, 1)
-    return rgb.repeat_interleave(cell, 1).repeat_interleave(cell, 2)
+    """Per row (layer, or step and layer): busiest expert over the mean load, and the coefficient
+    of variation (population std over mean); a row with no tokens gives 0 for both."""
+    mean_L = tokens_LE.mean(-1).clamp_min(1e-12)
+    return tokens_LE.amax(-1) / mean_L, tokens_LE.std(-1, correction=0) / mean_L
 
 
 def _step_of(line: str):
-    """The step of a metrics.jsonl line, or None for a torn or foreign line (a crash mid-write)."""
+    """The step of a step line, or None for a torn or foreign line (a crash mid-write)."""
     try:
         return int(json.loads(line)["step"])
     except (ValueError, KeyError, TypeError):
         return None
 
 
-class MetricsWriter:
-    """Appends one JSON object per step to metrics.jsonl and mirrors it to TensorBoard."""
+def _restart_file(path: str, resume_step: int, header: str | None = None):
+    """Prepares a per-step file for this run: on resume, keeps the lines of steps up to the
+    checkpoint (they are not run again) and drops later or torn ones; otherwise starts it empty.
+    A file with another header (another model) starts over. Rewritten by rename, so a crash
+    here leaves the old file whole."""
+    kept = []
+    if resume_step and os.path.exists(path):
+        with open(path) as f:
+            lines = f.readlines()
+        if header is not None:
+            same = bool(lines) and lines[0].rstrip("\n") == header
+            lines = lines[1:] if same else []
+        for line in lines:
+            step = _step_of(line)
+            if step is not None and step <= resume_step and line.endswith("\n"):
+                kept.append(line)
+    if header is None and not kept:
+        if os.path.exists(path):
+            os.remove(path)
+        return
+    with open(path + ".tmp", "w") as f:
+        f.writelines(([header + "\n"] if header is not None else []) + kept)
+    os.replace(path + ".tmp", path)
 
-    def __init__(self, run_dir: str, tensorboard: bool, resume_step: int = 0, ep: int = 1):
+
+def _numbers(values: list[float]) -> list:
+    """Whole numbers (token counts) as JSON integers: shorter, and read back exactly."""
+    return [int(v) if math.isfinite(v) and v.is_integer() else v for v in values]
+
+
+def load_record(step: int, stats: StepStats, expert_bias_LE=None) -> dict:
+    """One expert_load.jsonl line: this step's loads (routed copies before drops) per layer."""
+    record = {"step": step, "tokens": [_numbers(row) for row in stats.tokens_LE.tolist()],
+              "dropped": _numbers(stats.dropped_L.tolist()),
+              "assigned": _numbers(stats.assignments_L.tolist())}
+    if expert_bias_LE is not None:
+        # 5 significant digits: a bias moves by router.bias_update_rate a step (1e-3 typical),
+        # so this tells every step's value apart up to 100; float32's 9 digits double the line.
+        record["bias"] = [[float(f"{v:.5g}") for v in row] for row in expert_bias_LE.tolist()]
+    return record
+
+
+class MetricsWriter:
+    """Appends one line per step to metrics.jsonl and expert_load.jsonl and mirrors them to
+    TensorBoard. `model` is the ModelConfig (for the MoE layer numbers); the layer x expert
+    heatmap image goes to TensorBoard every `image_every` steps (and at step 1; 0: never)."""
+
+    def __init__(self, run_dir: str, tensorboard: bool, resume_step: int = 0, ep: int = 1, *,
+                 model, image_every: int = 10):
         self.ep = ep
+        self.image_every = image_every
+        self.layers = moe_layer_numbers(model)
         self.path = os.path.join(run_dir, "metrics.jsonl")
-        if resume_step and os.path.exists(self.path):
-            # Steps after the checkpoint will be run again: drop their old lines, keep the earlier.
-            with open(self.path) as f:
-                kept = [line for line in f if _step_of(line) is not None and _step_of(line) <= resume_step]
-            with open(self.path, "w") as f:
-                f.writelines(kept)
-        elif os.path.exists(self.path):
-            os.remove(self.path)
+        self.load_path = os.path.join(run_dir, LOAD_FILE)
+        header = {"format": LOAD_FORMAT, "version": LOAD_VERSION, "layers": self.layers,
+                  "num_experts": model.num_experts}
+        _restart_file(self.path, resume_step)
+        _restart_file(self.load_path, resume_step, json.dumps(header))
         self.tb = None
         if tensorboard:
             from torch.utils.tensorboard import SummaryWriter
@@ -121,6 +181,11 @@ class MetricsWriter:
     def write(self, record: dict, stats: StepStats | None = None, expert_bias_LE=None):
         with open(self.path, "a") as f:
             f.write(json.dumps(record) + "\n")
+        if stats is not None and self.layers:
+            line = json.dumps(load_record(record["step"], stats, expert_bias_LE),
+                              separators=(",", ":"))
+            with open(self.load_path, "a") as f:
+                f.write(line + "\n")
         if self.tb is None:
             return
         step = record["step"]
@@ -130,14 +195,15 @@ class MetricsWriter:
         if stats is not None and stats.tokens_LE.numel():
             self._write_load(stats, step)
         if expert_bias_LE is not None:
-            for layer, bias_E in enumerate(expert_bias_LE):
+            for layer, bias_E in zip(self.layers, expert_bias_LE, strict=True):
                 self.tb.add_histogram(f"expert_bias/layer_{layer}", bias_E.float(), step)
 
     def _write_load(self, stats: StepStats, step: int):
         tokens_LE = stats.tokens_LE.cpu()
         num_experts = tokens_LE.shape[1]
         max_ratio_L, cv_L = imbalance_L(tokens_LE)
-        for layer, load_E in enumerate(tokens_LE):
+        for row, layer in enumerate(self.layers):
+            load_E = tokens_LE[row]
             # Expert index on the x axis, tokens routed to it as the bar height.
             self.tb.add_histogram_raw(
                 f"tokens_per_expert/layer_{layer}", min=0, max=num_experts,
@@ -145,19 +211,29 @@ class MetricsWriter:
                 sum_squares=float((load_E * torch.arange(num_experts) ** 2).sum()),
                 bucket_limits=[float(e + 1) for e in range(num_experts)],
                 bucket_counts=load_E.tolist(), global_step=step)
-            self.tb.add_scalar(f"imbalance/max_over_mean/layer_{layer}", float(max_ratio_L[layer]), step)
-            self.tb.add_scalar(f"imbalance/cv/layer_{layer}", float(cv_L[layer]), step)
-            drop = stats.dropped_L[layer] / stats.assignments_L[layer].clamp_min(1)
+            self.tb.add_scalar(f"imbalance/max_over_mean/layer_{layer}", float(max_ratio_L[row]),
+                               step)
+            self.tb.add_scalar(f"imbalance/cv/layer_{layer}", float(cv_L[row]), step)
+            drop = stats.dropped_L[row] / stats.assignments_L[row].clamp_min(1)
             self.tb.add_scalar(f"dropped_fraction/layer_{layer}", float(drop), step)
-        self.tb.add_image("load/layer_x_expert", load_heatmap(tokens_LE), step)
+        draw = self.image_every and (step == 1 or step % self.image_every == 0)
+        if draw:
+            from moepar.inspect.plots import heatmap_rgb, ratio_to_mean
+            self.tb.add_image("load/layer_x_expert", heatmap_rgb(
+                ratio_to_mean(tokens_LE.numpy()), self.layers,
+                f"step {step}: tokens per expert / layer mean"), step, dataformats="HWC")
         if self.ep > 1:
             # Which EP rank is hot: the experts of EP rank r are the r-th block of E/ep.
             rank_load_LP = tokens_LE.view(tokens_LE.shape[0], self.ep, -1).sum(-1)
-            for layer, load_P in enumerate(rank_load_LP):
+            for layer, load_P in zip(self.layers, rank_load_LP, strict=True):
                 share = load_P / load_P.sum().clamp_min(1)
                 for r, value in enumerate(share.tolist()):
                     self.tb.add_scalar(f"ep_rank_load/layer_{layer}/rank_{r}", value, step)
-            self.tb.add_image("load/layer_x_ep_rank", load_heatmap(rank_load_LP), step)
+            if draw:
+                self.tb.add_image("load/layer_x_ep_rank", heatmap_rgb(
+                    ratio_to_mean(rank_load_LP.numpy()), self.layers,
+                    f"step {step}: tokens per EP rank / layer mean", xlabel="EP rank"),
+                    step, dataformats="HWC")
 
     def close(self):
         if self.tb is not None:

@@ -281,13 +281,14 @@ class Trainer:
             with open(os.path.join(cfg.run.dir, "config.toml"), "w") as f:
                 f.write(to_toml(saved))
             writer = MetricsWriter(cfg.run.dir, cfg.run.tensorboard, resume_step=self.step,
-                                   ep=self.dims.ep)
+                                   ep=self.dims.ep, model=cfg.model,
+                                   image_every=cfg.run.tb_image_every)
         records = []
         try:
             while self.step < cfg.train.steps:
                 record = self.train_step()
                 records.append(record)
-                bias_LE = self.expert_bias_LE() if cfg.run.tensorboard else None   # every rank
+                bias_LE = self.expert_bias_LE()   # every rank; expert_load.jsonl keeps it
                 if writer is not None:
                     writer.write(record, self.last_stats, bias_LE)
                 if cfg.run.log_every and (self.step % cfg.run.log_every == 0 or self.step == 1

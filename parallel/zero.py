@@ -156,6 +156,11 @@ class ShardedAdamW:
         self.reducer.zero_grad()
 
 
+def _torch_version() -> tuple[int, int]:
+    major, minor = torch.__version__.split("+")[0].split(".")[:2]
+    return int(major), int(minor)
+
+
 class FullyShardedSync:
     """zero=3: FSDP2 over two meshes; the training step's side of it."""
 
@@ -165,6 +170,12 @@ class FullyShardedSync:
         if not hasattr(FSDPModule, "set_force_sum_reduction_for_comms"):
             raise ValueError(f"parallel.zero=3 needs torch >= 2.8 (FSDP2's sum-only reductions); "
                              f"this is torch {torch.__version__}. Use parallel.zero=2 or upgrade")
+        if compute_dtype is not None and _torch_version() < (2, 12):
+            # Measured: backward fails inside FSDP2 ("setStorage ... storage of size 0") on
+            # torch 2.9 and 2.11 when parameters are gathered in a lower precision.
+            raise ValueError(f"parallel.zero=3 with train.dtype=bfloat16 needs torch >= 2.12 "
+                             f"(FSDP2 mixed precision fails in backward before); this is torch "
+                             f"{torch.__version__}. Use parallel.zero=2 or upgrade")
         self.model = model
         # Under bf16 the weights are gathered in bf16 (half the bytes, and no full-size autocast
         # copy saved for backward); gradients are reduced in float32 unless a wire dtype is set.

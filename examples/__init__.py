@@ -1,0 +1,1 @@
+"""The example run configs, installed as package data: `moepar train tiny` runs tiny.toml."""
