@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 
 from moepar.layers.model import ModelConfig
 from moepar.layers.router import RouterConfig, check_number
+from moepar.parallel.checkpointing import RECOMPUTE
 from moepar.parallel.expert import DISPATCHERS
 from moepar.parallel.pipeline import split_layers
 from moepar.parallel.schedules import SCHEDULES
@@ -25,7 +26,7 @@ __all__ = ["RunConfig", "ParallelConfig", "TrainConfig", "DataConfig", "OutputCo
            "load_config", "config_path", "packaged_examples", "parse_overrides", "to_toml",
            "to_dict", "sections_toml", "config_reference"]
 
-DTYPES = ("float32", "bfloat16", "float64")
+DTYPES = ("float32", "bfloat16", "float16", "float64")
 DATA_SOURCES = ("builtin", "text", "tokens")
 TOKEN_DTYPES = ("uint8", "uint16", "int32", "int64")
 
@@ -100,8 +101,10 @@ class TrainConfig:
     beta2: float = 0.95
     eps: float = 1e-8
     grad_clip: float = 1.0         # max global grad norm; 0 disables clipping
-    dtype: str = "float32"         # float32, bfloat16 (autocast), float64 (exact-numerics tests)
-    activation_checkpointing: bool = False
+    dtype: str = "float32"         # float32, bfloat16 or float16 (autocast), float64 (exact tests)
+    loss_scale: float = 0.0        # float16: initial dynamic scale (0: 2^16); else > 0: fixed scale
+    activation_checkpointing: bool = False  # the older spelling of recompute = "full"
+    recompute: str = "none"        # recompute in backward: none, full (blocks), attention, experts
     device: str = "auto"           # auto (cuda:LOCAL_RANK when CUDA is available, else cpu), cpu, cuda
     seed: int = 0
     on_nonfinite: str = "skip"     # NaN/Inf loss or grad norm: "skip" the step or "stop" the run
@@ -117,12 +120,19 @@ class TrainConfig:
             raise ValueError(f"train.dtype={self.dtype!r} is not one of {DTYPES}")
         if self.device not in ("auto", "cpu", "cuda"):
             raise ValueError(f"train.device={self.device!r} is not one of 'auto', 'cpu', 'cuda'")
+        if self.recompute not in RECOMPUTE:
+            raise ValueError(f"train.recompute={self.recompute!r} is not one of {RECOMPUTE}")
+        if self.activation_checkpointing and self.recompute not in ("none", "full"):
+            raise ValueError(f"train.activation_checkpointing=true (full recompute) contradicts "
+                             f"train.recompute={self.recompute!r}; set only train.recompute")
+        if self.activation_checkpointing:
+            self.recompute = "full"
         if self.on_nonfinite not in ("skip", "stop"):
             raise ValueError(f"train.on_nonfinite={self.on_nonfinite!r} is not one of 'skip', 'stop'")
         check_number("train.lr", self.lr, strict=True)
         if not 0 <= self.min_lr_ratio <= 1:
             raise ValueError(f"train.min_lr_ratio={self.min_lr_ratio} must be in [0, 1]")
-        for name in ("warmup_steps", "weight_decay", "grad_clip", "eps"):
+        for name in ("warmup_steps", "weight_decay", "grad_clip", "eps", "loss_scale"):
             check_number(f"train.{name}", getattr(self, name))
         for name in ("beta1", "beta2"):
             if not 0 <= getattr(self, name) < 1:

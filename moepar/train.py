@@ -25,6 +25,7 @@ from moepar.checkpoint import (PendingSave, checkpoint_step, complete_steps, lat
 from moepar.config import RunConfig, to_dict, to_toml
 from moepar.data import build_sampler, check_same_dataset
 from moepar.launch import init_process_group, select_device
+from moepar.loss_scale import LossScaler
 from moepar.layers import Transformer
 from moepar.metrics import MetricsWriter, StepStats
 from moepar.parallel import Options, ParallelDims, parallelize
@@ -32,7 +33,9 @@ from moepar.parallel.schedules import check_schedule
 
 __all__ = ["Trainer", "lr_at", "NonFiniteError", "build_dims"]
 
-_PARAM_DTYPES = {"float32": torch.float32, "bfloat16": torch.float32, "float64": torch.float64}
+_PARAM_DTYPES = {"float32": torch.float32, "bfloat16": torch.float32, "float16": torch.float32,
+                 "float64": torch.float64}
+_AUTOCAST = {"bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
 class NonFiniteError(RuntimeError):
@@ -111,16 +114,22 @@ class Trainer:
         options = Options(cfg.parallel, adamw_factory(tcfg, fused=self.device.type == "cuda"),
                           num_micro=self.num_local_micro, vocab_size=cfg.model.vocab_size,
                           seq_len=tcfg.seq_len,
-                          activation_checkpointing=tcfg.activation_checkpointing,
-                          compute_dtype=torch.bfloat16 if tcfg.dtype == "bfloat16" else None,
+                          recompute=tcfg.recompute,
+                          compute_dtype=_AUTOCAST.get(tcfg.dtype),
                           seed=tcfg.seed)
         self.engine = parallelize(model, self.layout, options)
+        # float16 needs loss scaling (dynamic); elsewhere train.loss_scale > 0 is a fixed scale.
+        self.scaler = None
+        if tcfg.dtype == "float16" or tcfg.loss_scale > 0:
+            self.scaler = LossScaler(tcfg.loss_scale or 2.0 ** 16, dynamic=tcfg.dtype == "float16")
         self.step = 0
         if resume_path:
             # Another dataset is refused before anything is read (the state file is small).
             check_same_dataset(read_state(resume_path).get("dataset"), self.sampler.fingerprint)
             state = load_checkpoint(resume_path, self.engine, optimizer=True)
             self.step, self.sampler.position = state["step"], state["data_position"]
+            if self.scaler is not None and "loss_scale" in state:
+                self.scaler.load_state_dict(state["loss_scale"])
             self.log(f"resumed from {resume_path} at step {self.step}")
         elif cfg.run.init_from:
             load_checkpoint(cfg.run.init_from, self.engine, restore_rng=False)
@@ -196,6 +205,8 @@ class Trainer:
         tcfg, engine = self.cfg.train, self.engine
         start = time.perf_counter()
         stats = StepStats(len(engine.moe_layer_ids), self.cfg.model.num_experts, self.device)
+        if self.scaler is not None:
+            engine.set_loss_scale(self.scaler.scale)
         loss_sum = self.forward_backward(stats)
         engine.finish_step(stats, loss_sum)
         max_norm = tcfg.grad_clip if tcfg.grad_clip > 0 else float("inf")
@@ -204,7 +215,17 @@ class Trainer:
         self.step += 1
         lr = lr_at(self.step, tcfg)
         skipped = not (math.isfinite(loss) and math.isfinite(grad_norm))
-        if skipped:
+        # float16: an infinite norm with a finite loss is the scale overflowing, not divergence:
+        # the step is skipped and the scale backs off (the same decision on every rank).
+        overflow = (skipped and math.isfinite(loss) and self.scaler is not None
+                    and self.scaler.dynamic)
+        if self.scaler is not None:
+            note = self.scaler.update(not skipped)
+            if note:
+                self.log(f"step {self.step}: {note}")
+        if overflow:
+            engine.zero_grad()
+        elif skipped:
             engine.zero_grad()
             message = (f"step {self.step}: non-finite loss={loss} or grad_norm={grad_norm}; "
                        f"{'stopping' if tcfg.on_nonfinite == 'stop' else 'step skipped'}, "
@@ -237,6 +258,8 @@ class Trainer:
         state = {"step": self.step, "data_position": self.sampler.position,
                  "config": to_dict(self.cfg), "layout": self.dims.describe(),
                  "dataset": self.sampler.fingerprint}
+        if self.scaler is not None:
+            state["loss_scale"] = self.scaler.state_dict()
         pending = PendingSave(self.ckpt_root, self.step, self.engine, state,
                               keep=self.cfg.run.keep_checkpoints, background=background)
         if background:

@@ -1,7 +1,7 @@
 """Everything that knows ranks exist; `parallelize` is the one place that fixes the order.
 
 Order (see shared DESIGN.md), applied to a model built on the meta device:
-expert and tensor parallelism (change shapes) -> activation checkpointing -> pipeline split ->
+expert and tensor parallelism (change shapes) -> activation recompute -> pipeline split ->
 ZeRO-3 / FSDP2 (shards parameters) -> materialize this rank's shards on its device and draw their
 initial values -> data parallel / ZeRO 0-2 (wraps the materialized parameters) -> the step runner.
 A model that is already materialized (tests, notebooks) goes through the same order; its values
@@ -13,7 +13,7 @@ from typing import Callable
 
 import torch
 
-from .checkpointing import apply_activation_checkpointing
+from .checkpointing import apply_activation_checkpointing, apply_recompute
 from .ddp import OverlappedReducer
 from .dims import Layout, ParallelDims
 from .expert import apply_ep
@@ -24,6 +24,7 @@ from .tensor import apply_tp
 from .zero import FullyShardedSync, ShardedAdamW, ZeroReducer
 
 __all__ = ["parallelize", "Options", "ParallelModel", "apply_activation_checkpointing",
+           "apply_recompute",
            "apply_ep", "ParallelDims", "Layout", "data_parallel", "LocalSync"]
 
 
@@ -35,7 +36,7 @@ class Options:
     num_micro: int = 1                 # micro-batches per step on each data-parallel rank
     vocab_size: int = 0
     seq_len: int | None = None
-    activation_checkpointing: bool = False
+    recompute: str = "none"            # none, full, attention, experts (checkpointing.py)
     compute_dtype: torch.dtype | None = None   # autocast dtype (bfloat16), None: the parameters'
     seed: int = 0                      # initial values (layers/init.py), the same at any layout
     materialize: bool = True           # False: stay on meta (memory simulation)
@@ -52,8 +53,8 @@ def parallelize(model, layout: Layout, options: Options) -> ParallelModel:
         apply_ep(model, dims, layout.meshes, layout.rank, p.dispatcher, p.dedup, p.debug_splits)
     if dims.tp > 1:
         apply_tp(model, dims, layout.meshes, options.seq_len)
-    if options.activation_checkpointing:
-        apply_activation_checkpointing(model)
+    if options.recompute != "none":
+        apply_recompute(model, options.recompute)
     if dims.pp > 1:
         model = build_stage(model, layout.coords.pp, dims.pp, p.pp_virtual, p.pp_layers or None)
     on_meta = next(model.parameters()).device.type == "meta"

@@ -55,6 +55,7 @@ class LocalRunner:
     def __init__(self, model, num_micro: int, loss_fn, autocast):
         self.model, self.num_micro, self.loss_fn, self.autocast = model, num_micro, loss_fn, autocast
         self.order = [Action(kind, 0, n) for n in range(num_micro) for kind in "FB"]
+        self.loss_scale = 1.0
         model.set_aux_loss_scale(1.0 / num_micro)
 
     def run(self, inputs: list, targets: list, before_action=None, after_action=None,
@@ -76,7 +77,7 @@ class LocalRunner:
             backward = Action("B", 0, n)
             if before_action is not None:
                 before_action(backward)
-            (loss / self.num_micro).backward()
+            (loss * self.loss_scale / self.num_micro).backward()
             if after_action is not None:
                 after_action(backward)
             loss_sum += loss.detach()
@@ -139,12 +140,20 @@ class ParallelModel:
         """This rank's micro-batches of one step, gradients synced; adds each micro-batch's MoE
         statistics to `stats`; returns the sum of their losses (under pp: on the last stage,
         zero elsewhere; `finish_step` sums it over pp)."""
+        if self.layout.device.type == "cuda":    # pinned: the copies to the GPU are async
+            inputs, targets = [t.pin_memory() for t in inputs], [t.pin_memory() for t in targets]
         loss_sum, moe_outputs = self.runner.run(
             inputs, targets, before_action=lambda a: self._around(a, False),
             after_action=lambda a: self._around(a, True))
         for outs in moe_outputs:
             stats.add(outs, self.moe_router_cfg, self.moe_indices)
         return loss_sum
+
+    def set_loss_scale(self, scale: float):
+        """Multiplies the loss (and the injected MoE aux losses) by `scale` before backward;
+        `clip_grad_norm` divides the gradients by it again (float16 loss scaling)."""
+        self.runner.loss_scale = scale
+        self.model.set_aux_loss_scale(scale / self.num_micro)
 
     def micro_batch(self, inputs_BS, targets_BS, stats, last: bool = True) -> torch.Tensor:
         """One micro-batch (pp = 1) with the gradient sync armed when `last`: the step broken
@@ -184,6 +193,11 @@ class ParallelModel:
     def clip_grad_norm(self, max_norm: float) -> torch.Tensor:
         """The global gradient norm (float64, before clipping); clips in place to max_norm."""
         groups = grad_norm_groups(self.model, self.sync, self.layout.dims, self._tp_split)
+        scale = self.runner.loss_scale
+        if scale != 1.0:    # loss scaling: gradients back to the loss's own scale first
+            grads = [g for group, _ in groups for g in group]
+            if grads:
+                torch._foreach_mul_(grads, 1.0 / scale)
         return clip_grad_norm(groups, max_norm, self.layout.meshes, self.layout.device)
 
     def optimizer_step(self, lr: float, stats):

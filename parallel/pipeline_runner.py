@@ -96,6 +96,7 @@ class PipelineRunner:
         # Hidden states travel in the residual stream's dtype (the parameters'), or narrower.
         self.act_dtype = stage.activation_dtype()
         self.wire_dtype = wire_dtype or self.act_dtype
+        self.loss_scale = 1.0
         stage.set_aux_loss_scale(1.0 / num_micro)
         self.clock = _Clock(self.device)
         self._stamps, self.step_start, self.step_end, self.peak_in_flight = [], 0.0, 0.0, 0
@@ -248,7 +249,7 @@ class PipelineRunner:
         if c == self.num_chunks - 1:
             state["loss_sum"] += loss.detach().to(torch.float64)
             if training:
-                state["saved"][(c, n)] = (x, loss / self.num_micro)
+                state["saved"][(c, n)] = (x, loss * self.loss_scale / self.num_micro)
             return None
         if training:
             state["saved"][(c, n)] = (x, out)

@@ -54,6 +54,8 @@ LAYOUTS = [
     (4, ["--parallel.pp=2", "--parallel.dp=2", "--parallel.zero=1"]),
     (4, ["--parallel.pp=2", "--parallel.ep=2", "--parallel.zero=2", "--parallel.bucket_mb=0.002"]),
     (4, ["--parallel.pp=2", "--parallel.ep=2", "--parallel.zero=3"]),
+    # A power-of-two loss scale (float16's mechanism) leaves float64 results as they are.
+    (4, ["--parallel.pp=2", "--parallel.ep=2", "--train.loss_scale=1024"]),
 ]
 
 
@@ -128,3 +130,21 @@ def test_world_of_one_equals_no_process_group(worlds, tmp_path, single):
     _, ref_records = single
     (records,) = worlds(1).run(case_train, str(tmp_path / "run"), [], timeout=120)
     assert records == ref_records
+
+
+def case_float16(run_dir: str):
+    trainer = Trainer(tiny_config(run_dir, "--parallel.ep=2", "--parallel.zero=1",
+                                  "--train.dtype=float16", "--train.loss_scale=16777216",
+                                  "--train.steps=8"), log=lambda _m: None)
+    records = trainer.run()
+    dist.barrier()
+    return [(r["skipped"], r["loss"]) for r in records], trainer.scaler.scale
+
+
+def test_float16_ranks_skip_the_same_steps(worlds, tmp_path):
+    """Overflow decisions come from the all-reduced norm: every rank skips the same steps and
+    ends with the same scale (a rank deciding alone would desynchronise and hang)."""
+    (records, scale), other = worlds(2).run(case_float16, str(tmp_path / "run"), timeout=120)
+    assert (records, scale) == other
+    skips = sum(skipped for skipped, _ in records)
+    assert records[0][0] and 0 < skips < len(records) and scale == 2.0 ** 24 / 2 ** skips
