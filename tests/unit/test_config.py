@@ -192,7 +192,7 @@ def test_section_not_a_table(tmp_path):
     ("--router.score_func=relu", "router.score_func", ["softmax", "sigmoid"]),
     ("--router.type=hash", "router.type", ["topk", "expert_choice"]),
     ("--router.drop_policy=random", "router.drop_policy", ["probs", "position"]),
-    ("--train.dtype=float16", "train.dtype", ["float32", "bfloat16", "float64"]),
+    ("--train.dtype=half", "train.dtype", ["float32", "bfloat16", "float16", "float64"]),
     ("--train.on_nonfinite=ignore", "train.on_nonfinite", ["skip", "stop"]),
     ("--model.activation=relu", "model.activation", ["swiglu", "gelu"]),
     ("--data.source=web", "data.source", ["builtin", "text", "tokens"]),
