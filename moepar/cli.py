@@ -2,7 +2,7 @@
 
     moepar train CONFIG.toml [--nproc N] [--section.key=value ...]
     moepar convert --from hf|moepar SRC --to moepar|hf DST [--arch NAME]
-    moepar bench moe-layer|dispatch|memory|pipeline|checkpoint [options]
+    moepar bench moe-layer|dispatch|memory|pipeline|checkpoint|train [options]
 
 Every command has `--help`. This file only dispatches; each command parses its own arguments.
 """
@@ -20,7 +20,7 @@ COMMANDS = {
     "convert": ("moepar.hf.cli", "convert Hugging Face checkpoints to moepar and back"),
     "data": ("moepar.data.cli", "tokenize text into a prepared folder: moepar data prepare ..."),
     "inspect": ("moepar.inspect", "a run's expert load: hot, cold, dead experts, drops, plots"),
-    "bench": ("moepar.bench", "benchmarks: moe-layer, dispatch, memory, pipeline, checkpoint"),
+    "bench": ("moepar.bench", "benchmarks: moe-layer, dispatch, memory, pipeline, checkpoint, train"),
 }
 
 

@@ -7,6 +7,7 @@
 | memory     | memory.py    | bytes per rank of parameters, gradients, optimizer state vs formula  |
 | pipeline   | pipeline.py  | measured bubble and activation memory per pipeline stage             |
 | checkpoint | checkpoint.py| build, save and load seconds and peak memory per rank vs its shard   |
+| train      | train.py     | end-to-end tokens/s and MFU of a config in one process              |
 
 Benchmarks that need several processes start them with torch's launcher and re-run the same
 command line in each worker; rank 0 prints.
@@ -98,6 +99,16 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--zero", type=int, choices=[0, 1, 2, 3], default=0, help="ZeRO stage")
     p.add_argument("--dir", default=None, help="where to write the checkpoint (default: /tmp)")
     p.add_argument("--json", action="store_true", help="print one JSON object")
+    p = sub.add_parser("train", help="end-to-end tokens/s and MFU of a config",
+                       description="Trains --config in one process (real Trainer) and reports "
+                                   "tokens/s, model TFLOP/s and MFU against the GPU's bf16 peak.")
+    p.add_argument("--config", required=True, help="the run config, e.g. examples/moe_1b.toml")
+    p.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
+    p.add_argument("--steps", type=int, default=10, help="timed steps")
+    p.add_argument("--warmup", type=int, default=2, help="untimed steps first")
+    p.add_argument("--peak-tflops", type=float, default=None,
+                   help="the device's peak (default: the bf16 spec of a known GPU)")
+    p.add_argument("--json", action="store_true", help="print one JSON object")
     return parser
 
 
@@ -132,6 +143,13 @@ def main(argv: list[str]) -> int:
         result = checkpoint.worker_main(args)
         if _rank0():
             print(json.dumps(result), flush=True) if args.json else checkpoint.print_result(result)
+        return 0
+    if args.what == "train":
+        from moepar.bench.train import bench_train, print_result
+        from moepar.config import load_config
+        cfg = load_config(args.config, [f"--train.device={args.device}"])
+        result = bench_train(cfg, args.steps, args.warmup, args.peak_tflops)
+        print(json.dumps(result)) if args.json else print_result(result)
         return 0
     if args.what == "memory" and args.simulate:
         return _simulate(parser, args)

@@ -204,3 +204,12 @@ def test_bench_memory_simulate_json():
     assert result.returncode == 0, errors(result)
     record = json.loads(result.stdout)
     assert record["ranks"][0]["rank"] == 0 and record["total_params"] > 46e9
+
+
+def test_bench_train_json():
+    result = moepar("bench", "train", "--config", str(ROOT / "examples" / "tiny.toml"),
+                    "--steps", "1", "--warmup", "0", "--device", "cpu", "--json")
+    assert result.returncode == 0, errors(result)
+    record = json.loads(result.stdout.strip().splitlines()[-1])
+    assert record["tokens_per_step"] == 16 * 128 and record["mfu"] is None
+    assert record["tokens_per_s"] == pytest.approx(record["tokens_per_step"] / record["step_ms"] * 1e3)

@@ -62,3 +62,28 @@ def test_small_layouts_match_the_formula_on_every_rank(overrides, world):
                                                      "--train.global_batch_size=32",
                                                      "--train.micro_batch_size=1"])
     check(cfg, world, list(range(world)))
+
+
+def test_moe_1b_on_one_gpu():
+    """examples/moe_1b.toml (the GPU check's end-to-end model): about 1B parameters, 0.22B
+    active, on one rank."""
+    cfg = load_config(str(EXAMPLES / "moe_1b.toml"))
+    result = check(cfg, 1, [0])
+    assert abs(result["total_params"] / 1e9 - 1.01) < 0.01
+
+
+def test_model_flops_per_token_by_hand():
+    """PaLM's count for bench train's MFU: 6 x the non-embedding parameters a token uses + 12 x
+    layers x seq x heads x head dim, here counted tensor by tensor."""
+    from moepar.bench.train import flops_per_token
+    cfg = load_config(str(EXAMPLES / "tiny.toml"))
+    m = cfg.model
+    D, L, H, G, hd, V = m.dim, m.num_layers, m.num_heads, m.num_kv_heads, m.dim // m.num_heads, m.vocab_size
+    attention = D * H * hd * 2 + D * G * hd * 2             # q, o and k, v
+    dense_ffn = 3 * D * m.ffn_dim
+    moe = m.num_experts * D + m.top_k * 3 * D * m.moe_ffn_dim   # router + the k experts used
+    norms = 2 * D                                              # counted, as PaLM's N does
+    layers = sum(attention + norms + (moe if m.is_moe_layer(i) else dense_ffn) for i in range(L))
+    matmul = layers + V * D + D                                # + the head and the final norm
+    want = 6 * matmul + 12 * L * cfg.train.seq_len * H * hd
+    assert flops_per_token(cfg) == want

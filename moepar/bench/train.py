@@ -1,0 +1,81 @@
+"""`moepar bench train --config FILE`: end-to-end training throughput of a config in one
+process: tokens/s and model FLOPs utilisation (MFU).
+
+Steps run through the real Trainer (data, forward, backward, clipping, AdamW); the first
+`--warmup` are not timed; each timed step ends with a device synchronisation. Model FLOPs per
+token are PaLM's count: 6 x the non-embedding parameters a token uses (the routed experts it
+picks; the head counts, the embedding lookup does not) plus 12 x layers x sequence x (heads x
+head dim) for attention scores and
+values (MLA: heads x (q/k head dim + v head dim) / 2 per side), forward and backward. MFU is that
+times tokens/s over the GPU's dense bf16 peak (`--peak-tflops`, or the spec of a known GPU).
+"""
+
+import statistics
+import tempfile
+import time
+
+import torch
+
+__all__ = ["bench_train", "flops_per_token", "print_result", "PEAK_TFLOPS"]
+
+# Dense bfloat16 spec peaks (no sparsity), TFLOP/s, matched on the device name.
+PEAK_TFLOPS = {"H200": 989.0, "H100": 989.0, "A100": 312.0, "B200": 2250.0}
+
+
+def flops_per_token(cfg) -> float:
+    """Training FLOPs per token (forward + backward) of cfg.model at cfg.train.seq_len."""
+    from moepar.plan.memory import param_count
+    model = cfg.model
+    matmul = param_count(model)["active"] - model.vocab_size * model.dim   # no embedding lookup
+    if model.tie_embeddings:
+        matmul += model.vocab_size * model.dim                            # the head is the table
+    if model.attention == "mla":
+        width = model.num_heads * (model.qk_nope_head_dim + model.qk_rope_head_dim
+                                   + model.v_head_dim) / 2
+    else:
+        width = model.num_heads * model.head_dim_resolved
+    return 6.0 * matmul + 12.0 * model.num_layers * cfg.train.seq_len * width
+
+
+def _sync(device):
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def bench_train(cfg, steps: int = 10, warmup: int = 2, peak_tflops: float | None = None) -> dict:
+    from moepar.train import Trainer
+    with tempfile.TemporaryDirectory() as tmp:
+        cfg.run.dir, cfg.run.tensorboard, cfg.run.log_every = tmp, False, 0
+        cfg.train.steps = warmup + steps
+        trainer = Trainer(cfg, log=lambda _m: None)
+        device = trainer.device
+        times = []
+        for step in range(warmup + steps):
+            _sync(device)
+            start = time.perf_counter()
+            record = trainer.train_step()
+            _sync(device)
+            if step >= warmup:
+                times.append(time.perf_counter() - start)
+    tokens = cfg.train.global_batch_size * cfg.train.seq_len
+    per_token = flops_per_token(cfg)
+    step_s = statistics.median(times)
+    if peak_tflops is None and device.type == "cuda":
+        name = torch.cuda.get_device_name(device)
+        peak_tflops = next((v for k, v in PEAK_TFLOPS.items() if k in name), None)
+    achieved = tokens / step_s * per_token
+    return {"device": str(device),
+            "device_name": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
+            "dtype": cfg.train.dtype, "tokens_per_step": tokens, "step_ms": 1000 * step_s,
+            "tokens_per_s": tokens / step_s, "flops_per_token": per_token,
+            "achieved_tflops": achieved / 1e12, "peak_tflops": peak_tflops,
+            "mfu": achieved / (peak_tflops * 1e12) if peak_tflops else None,
+            "last_loss": record["loss"], "steps": steps}
+
+
+def print_result(r: dict):
+    mfu = f"{100 * r['mfu']:.1f}% of {r['peak_tflops']:.0f}" if r["mfu"] is not None else "n/a"
+    print(f"train: {r['device_name']} {r['dtype']}; {r['tokens_per_step']} tokens/step, median "
+          f"of {r['steps']} steps: {r['step_ms']:.1f} ms, {r['tokens_per_s']:,.0f} tokens/s, "
+          f"{r['achieved_tflops']:.1f} TFLOP/s model FLOPs ({r['flops_per_token'] / 1e9:.2f} "
+          f"GFLOP/token), MFU {mfu}")
