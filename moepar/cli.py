@@ -20,6 +20,7 @@ COMMANDS = {
     "convert": ("moepar.hf.cli", "convert Hugging Face checkpoints to moepar and back"),
     "data": ("moepar.data.cli", "tokenize text into a prepared folder: moepar data prepare ..."),
     "bench": ("moepar.bench", "benchmarks: moe-layer, dispatch, memory, pipeline, checkpoint"),
+    "plan": ("moepar.plan.cli", "choose a layout for a model on N GPUs: memory and step time"),
 }
 
 
