@@ -37,6 +37,7 @@ its full bytes are the recompute working set. The trainer has "none" and "full"
 `train.recompute`, which is not in the trainer yet.
 """
 
+import dataclasses
 from dataclasses import dataclass
 
 __all__ = ["ActSpec", "RECOMPUTE", "layer_bytes", "embed_bytes", "head_bytes", "rows_per_rank"]
@@ -55,6 +56,7 @@ class ActSpec:
     zero: int = 0
     recompute: str = "none"
     row_factor: float = 1.0          # rows received by the busiest EP rank / (t*K): rows_per_rank
+    peak_row_factor: float | None = None  # the same in the busiest layer (default: row_factor)
     kernels: str = "cuda"            # "cuda" or "cpu": which norm and attention kernels run
 
     @property
@@ -189,7 +191,18 @@ def layer_bytes(cfg, router, layer: int, s: ActSpec) -> dict:
     """One layer's bytes for one micro-batch under s.recompute:
     saved (kept from forward to backward, token-sized), rows (kept, proportional to the expert
     rows: the MoE dispatch buffers), weights (bf16 copies kept), recompute (the bytes
-    recomputing this layer's region needs at once in backward, 0 without recompute)."""
+    recomputing this layer's region needs at once in backward, 0 without recompute), grad (the
+    largest gradient buffer its backward writes: SwiGLU's [rows, 2F]). The last two are for
+    one layer at a time, so they take the busiest layer's rows (s.peak_row_factor)."""
+    out = _layer(cfg, router, layer, s)
+    if s.peak_row_factor is not None and s.peak_row_factor != s.row_factor:
+        peak = _layer(cfg, router, layer, dataclasses.replace(
+            s, row_factor=s.peak_row_factor, peak_row_factor=None))
+        out.update(recompute=peak["recompute"], grad=peak["grad"])
+    return out
+
+
+def _layer(cfg, router, layer: int, s: ActSpec) -> dict:
     D, t = cfg.dim, s.local_tokens
     attn, attn_w = _attention(cfg, s)
     if cfg.is_moe_layer(layer):
@@ -197,27 +210,31 @@ def layer_bytes(cfg, router, layer: int, s: ActSpec) -> dict:
         ffn, rows = moe["tokens"], moe["experts"] + moe["row_ids"]
         ffn_w, rows_w = moe["weights"], moe["expert_weights"]
         experts_only = moe["experts"]
+        grad = t * cfg.top_k * s.row_factor * cfg.moe_ffn_dim * s.a * (
+            2 if cfg.activation == "swiglu" else 1)
     else:
         Fl = cfg.ffn_dim // s.tp
         ffn = _norm(t, D, s) + _proj_input(s, 1, D) + _ffn(s.tokens, Fl, D, cfg.activation, s)
         width = 3 if cfg.activation == "swiglu" else 2
         ffn_w = width * D * Fl * s.a if s.weight_copies else 0
         rows = rows_w = experts_only = 0
+        grad = s.tokens * Fl * s.a * (2 if cfg.activation == "swiglu" else 1)
     block = t * D * s.r
     full = {"saved": attn + ffn, "rows": rows, "weights": attn_w + ffn_w + rows_w}
     if s.recompute == "none":
-        return {**full, "recompute": 0.0}
+        return {**full, "recompute": 0.0, "grad": grad}
     if s.recompute == "full":
-        return {"saved": block, "rows": 0.0, "weights": 0.0, "recompute": sum(full.values())}
+        return {"saved": block, "rows": 0.0, "weights": 0.0, "recompute": sum(full.values()),
+                "grad": grad}
     if s.recompute == "attention":
         return {"saved": block + ffn, "rows": rows, "weights": ffn_w + rows_w,
-                "recompute": attn + attn_w}
+                "recompute": attn + attn_w, "grad": grad}
     # experts: the grouped GEMMs and their activation keep only their input rows
     kept = rows - experts_only
     if experts_only:
         kept += s.row_factor * t * cfg.top_k * D * s.a
     return {"saved": attn + ffn, "rows": kept, "weights": attn_w + ffn_w,
-            "recompute": experts_only + rows_w}
+            "recompute": experts_only + rows_w, "grad": grad}
 
 
 def embed_bytes(cfg, s: ActSpec) -> float:

@@ -17,7 +17,7 @@ buffers, the backward's transient peak, and a fixed framework overhead.
 |                | reduction ends), ZeRO-3 gathered blocks, all-to-all send/receive rows,      |
 |                | pipeline stage outputs and receive buffers                                  |
 | transient      | backward's working set: the loss's fp32 logit gradients on the last stage,  |
-|                | else twice the largest tensor of a block                                    |
+|                | or a layer's largest gradient buffer (SwiGLU's [rows, 2F])                  |
 | overhead       | fixed (the GPU's CUDA context, workspaces, NCCL); 0 for CPU estimates        |
 
 In-flight micro-batches per pipeline rank r (p ranks, m micro-batches, v chunks per rank), the
@@ -105,11 +105,18 @@ def rank_footprint(cfg, dims, rank: int, spec: ActSpec, *, num_micro: int, sched
     out.update(params=static["params"], grads=static["grads"], optimizer=static["optimizer"],
                activations=activations, moe_dispatch=alive * share * sums["rows"],
                overhead=overhead_bytes)
-    # Backward runs the loss first, then recomputes one region at a time: the larger of the two.
-    loss = _working_set(model, spec, last, dims.pp, per_kind)
+    # Backward runs the loss first, then one layer at a time (rebuilding its region under
+    # recompute) while writing its gradients: the larger of the two on top of what is saved.
     region = max((v["recompute"] for v in per_kind.values()), default=0.0)
-    out["recompute"] = region
-    out["transient"] = max(loss - region, 0.25 * region if region else 0.0)
+    grad = max((v["grad"] for v in per_kind.values()), default=0.0)
+    held = spec.tokens * -(-model.vocab_size // spec.tp) * spec.a if last and dims.pp == 1 else 0
+    loss = _loss_working_set(model, spec, dims.pp) if last else 0.0
+    # The micro-batch being backwarded has freed its loss (and head) by the time its layers run.
+    head_one = head["saved"] + head["weights"]
+    layer_phase = region + grad + (held if region else 0.0) - head_one
+    working = max(loss, layer_phase)
+    out["recompute"] = min(region, working)
+    out["transient"] = working - out["recompute"]
     elements = static["dense_params"] + static["expert_params"]
     if spec.ep > 1 and kinds[True]:
         rows = spec.local_tokens * model.top_k * spec.row_factor
@@ -120,13 +127,16 @@ def rank_footprint(cfg, dims, rank: int, spec: ActSpec, *, num_micro: int, sched
         out["grad_accum"] = elements * spec.r - static["grads"]
     if dims.world_size > 1:
         # Flat gradient copies (ZeRO-0/2) pile up during the step's last backward while its
-        # activations are freed; what stays to the end is the recompute region and, in the
-        # local loop (pp = 1), the logits. The peak is the larger of the two phases.
+        # activations are freed; what stays to the end is the first layer's backward (its
+        # recompute region and gradient buffer) and, in the local loop (pp = 1), the logits.
+        # The peak is the larger of the two phases.
         dynamic = sum(out[k] for k in ("activations", "moe_dispatch", "recompute",
                                        "comm_buffers", "transient"))
         flats, gathered = _sync_buffers(spec, elements, wire_bytes or spec.r, len(layers))
-        logits = spec.tokens * -(-model.vocab_size // spec.tp) * spec.a if last and dims.pp == 1 else 0
-        out["comm_buffers"] += gathered + max(0.0, flats + region + logits - dynamic)
+        # (interleaved: the step's last backward covers one chunk; the others' buckets are
+        # flattened after it, when no layer is being rebuilt)
+        end = flats + held + (region + grad if virtual == 1 else 0.0)
+        out["comm_buffers"] += gathered + max(0.0, end - dynamic)
     out["total"] = sum(out[k] for k in ITEMS)
     out["in_flight"] = alive
     return out
@@ -143,15 +153,12 @@ def _sync_buffers(spec: ActSpec, elements: int, wire: int, num_layers: int) -> t
     return 0.0, 2 * elements / max(num_layers, 1) * spec.a
 
 
-def _working_set(model, spec: ActSpec, last: bool, pp: int, per_kind: dict) -> float:
-    """Backward's extra bytes on top of what is saved: the loss's on the last stage (fp32
-    gradients of the log-softmax and of the logits, the cast back under autocast, and at pp = 1
-    the logits the local loop still holds), else a quarter of a layer's saved bytes."""
-    if last:
-        Vl = -(-model.vocab_size // spec.tp)
-        grads = 2 if spec.tp == 1 else 1     # vocabulary-parallel loss: one fp32 gradient
-        width = grads * max(spec.r, 4) + (spec.a if spec.autocast else 0)
-        width += spec.a if pp == 1 else 0
-        return spec.tokens * Vl * width
-    biggest = max((v["saved"] + v["rows"] for v in per_kind.values()), default=0.0)
-    return 0.25 * biggest
+def _loss_working_set(model, spec: ActSpec, pp: int) -> float:
+    """The loss's backward on the last stage: fp32 gradients of the log-softmax and of the
+    logits (one with the vocabulary-parallel loss), the cast back under autocast, and at pp = 1
+    the logits the local loop still holds."""
+    Vl = -(-model.vocab_size // spec.tp)
+    grads = 2 if spec.tp == 1 else 1
+    width = grads * max(spec.r, 4) + (spec.a if spec.autocast else 0)
+    width += spec.a if pp == 1 else 0
+    return spec.tokens * Vl * width
