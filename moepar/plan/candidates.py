@@ -13,15 +13,17 @@ import dataclasses
 import functools
 from dataclasses import dataclass
 
+from moepar.parallel.dims import ParallelDims
 from moepar.train import build_dims
 
 from .activations import ActSpec, rows_per_rank
 from .flops import model_flops_per_token
 from .footprint import rank_footprint, stage_layers
-from .memory import rank_memory
+from .memory import rank_memory, tensor_shapes
 from .steptime import step_seconds
 
-__all__ = ["Layout", "Plan", "Request", "search", "run_config", "TRAINER_RECOMPUTE"]
+__all__ = ["Layout", "Plan", "Request", "search", "evaluate", "config_layout", "run_config",
+           "TRAINER_RECOMPUTE"]
 
 # Recompute modes the trainer runs today, and how a run config spells them.
 TRAINER_RECOMPUTE = ("none", "full")
@@ -105,6 +107,21 @@ def run_config(base, layout: Layout, req: Request):
     return dataclasses.replace(base, model=model, router=router, parallel=parallel, train=train)
 
 
+def config_layout(req: Request) -> Layout:
+    """The layout the base config asks for (dp resolved for req.world)."""
+    p, t = req.base.parallel, req.base.train
+    dp = p.dp or req.world // (p.pp * p.tp)
+    return Layout(p.pp, p.pp_virtual, p.pp_schedule if p.pp > 1 else "1f1b", dp, p.tp, p.ep,
+                  p.zero, t.micro_batch_size, "full" if t.activation_checkpointing else "none",
+                  req.base.router.capacity_factor)
+
+
+def evaluate(req: Request, layout: Layout) -> Plan:
+    """One layout's plan (raises ValueError when `moepar train` would refuse it)."""
+    cfg = run_config(req.base, layout, req)
+    return _Context(req).evaluate(cfg, build_dims(cfg, req.world), layout)
+
+
 def _routings(req: Request) -> list[float | None]:
     own = req.base.router.capacity_factor
     out = []
@@ -172,6 +189,7 @@ class _Context:
     def __init__(self, req: Request):
         self.req, self.model = req, req.base.model
         self.layer_cache: dict = {}
+        self.shapes: dict = {}
         self.static = functools.lru_cache(maxsize=None)(self._static)
         self.links = functools.lru_cache(maxsize=None)(_links)
         self.groups = functools.lru_cache(maxsize=None)(self._groups)
@@ -184,7 +202,10 @@ class _Context:
             shard = r * (dense / dims.dp + expert / dims.edp)
             out.update(grads=shard if zero == 2 else out["grads"], optimizer=2 * shard)
             return out
-        return rank_memory(self.model, dims, pp_rank * dims.dp * dims.tp, zero, r, virtual)
+        if dims.tp not in self.shapes:
+            self.shapes[dims.tp] = tensor_shapes(self.model, tp=dims.tp)
+        return rank_memory(self.model, dims, pp_rank * dims.dp * dims.tp, zero, r, virtual,
+                           shapes=self.shapes[dims.tp])
 
     def evaluate(self, cfg, dims, layout: Layout) -> Plan:
         req, model, gpu = self.req, cfg.model, self.req.gpu
@@ -192,7 +213,7 @@ class _Context:
         num_micro = t.global_batch_size // (t.micro_batch_size * dims.dp)
         row_factor = rows_per_rank(dims.ep, model.top_k, layout.capacity_factor, req.imbalance)
         spec = ActSpec(layout.micro_batch, req.seq_len, dims.tp, dims.ep, t.dtype, layout.zero,
-                       layout.recompute, row_factor, "cuda")
+                       layout.recompute, row_factor, kernels="cuda")
         wire = {"": None, "float32": 4, "bfloat16": 2}[cfg.parallel.grad_reduce_dtype]
         overhead = gpu.overhead_gib * 2 ** 30
         budget = gpu.budget_bytes + overhead
@@ -250,27 +271,41 @@ class _Context:
 
 
 def _links(dims) -> dict:
-    """Which groups leave a node (ParallelDims' own rank order), and group sizes."""
+    """Which groups leave a node, from `ParallelDims.spans_nodes` (the trainer's rank order),
+    and the group sizes. When a pipeline stage fills whole nodes every stage repeats the first
+    one's node pattern, so the axes inside a stage are asked of that one stage (the world-wide
+    scan is what costs time at thousands of ranks)."""
     node = dims.gpus_per_node or dims.world_size
-    return {"tp": dims.spans_nodes("tp"), "ep": dims.spans_nodes("ep"),
-            "dp": dims.spans_nodes("dp"), "edp": dims.spans_nodes("edp"),
-            "pp": dims.spans_nodes("pp"), "ep_inside": min(dims.ep, node) / dims.ep,
-            "pp_size": dims.pp, "dp_size": dims.dp, "edp_size": dims.edp}
+    stage = dims.dp * dims.tp
+    one = dims
+    if dims.pp > 1 and stage % node == 0:
+        one = ParallelDims(stage, 1, dims.dp, dims.tp, dims.ep, gpus_per_node=node)
+    out = {axis: getattr(dims, axis) > 1 and one.spans_nodes(axis)
+           for axis in ("tp", "ep", "dp", "edp")}
+    out["pp"] = dims.pp > 1 and (stage % node == 0 or dims.spans_nodes("pp"))
+    return {**out, "ep_inside": min(dims.ep, node) / dims.ep, "pp_size": dims.pp,
+            "dp_size": dims.dp, "edp_size": dims.edp}
 
 
 def _rejected(plans: list[Plan], errors: dict) -> dict:
-    """{family: one line} for every (pp, tp, ep) without a fitting plan: the validation error,
-    or the reason of its least bad layout."""
+    """{family: {kind, reason, value, closest}} for every (pp, tp, ep) without a fitting plan:
+    'indivisible' (the validation error `moepar train` gives), or the reason of its least bad
+    layout ('out of memory', value: GiB; 'bubble too large', value: the bubble)."""
     fitting = {p.layout.family for p in plans if p.fits}
     best = {}
     for p in plans:
         f = p.layout.family
         if f not in fitting and (f not in best or _badness(p) < _badness(best[f])):
             best[f] = p
-    out = {f: f"indivisible: {e}" for f, e in errors.items() if f not in fitting and f not in best}
+    out = {f: {"kind": "indivisible", "reason": e, "value": None, "closest": None}
+           for f, e in errors.items() if f not in fitting and f not in best}
     for f, p in best.items():
-        out[f] = f"{p.reason} (closest: {p.layout.describe()}, micro-batch " \
-                 f"{p.layout.micro_batch}, recompute {p.layout.recompute})"
+        oom = p.reason.startswith("out of memory")
+        lo = p.layout
+        out[f] = {"kind": "out of memory" if oom else "bubble too large", "reason": p.reason,
+                  "value": p.memory["total"] / 2 ** 30 if oom else p.bubble,
+                  "closest": f"{lo.describe()}, micro-batch {lo.micro_batch}, recompute "
+                             f"{lo.recompute}"}
     return dict(sorted(out.items()))
 
 

@@ -13,14 +13,19 @@ import sys
 import time
 
 from .activations import RECOMPUTE
-from .candidates import Layout, Request, search
+from .candidates import Request, config_layout, evaluate, search
 from .hardware import FIELDS, PRESETS, resolve_gpu
 from .report import assumptions, breakdown, rejected_lines, table, to_json
 from .rules import explain
 from .source import imbalance_from_run, load_model
 from .writer import best_runnable, runnable, write_plan
 
-__all__ = ["main", "build_parser"]
+__all__ = ["main", "build_parser", "DEFAULT_IMBALANCE"]
+
+# Dropless routing: the busiest EP rank's routed rows over the mean. An assumption, not a
+# measurement (a balanced router keeps it near 1, a fresh or collapsing one far above); a run's
+# own value comes from --from-run.
+DEFAULT_IMBALANCE = 1.5
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -40,8 +45,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="tokens per optimizer step (default: the config's global batch)")
     p.add_argument("--set", action="append", default=[], metavar="FIELD=VALUE",
                    help="override a GPU field, e.g. --set inter_gbps=25 (repeatable)")
-    p.add_argument("--imbalance", type=float, default=1.5,
-                   help="dropless load of the busiest EP rank over the mean (default 1.5)")
+    p.add_argument("--imbalance", type=float, default=None,
+                   help=f"dropless load of the busiest EP rank over the mean (default "
+                        f"{DEFAULT_IMBALANCE})")
     p.add_argument("--from-run", metavar="RUN", help="take the imbalance from a run directory's "
                                                      "metrics.jsonl (max_load_ratio)")
     p.add_argument("--routing", choices=["config", "dropless", "capacity", "both"],
@@ -86,7 +92,9 @@ def _request(args) -> tuple[Request, str, str]:
     tokens = args.global_batch_tokens or base.train.global_batch_size * seq_len
     if seq_len < 1 or tokens < 1:
         raise ValueError(f"--seq-len {seq_len} and --global-batch-tokens {tokens} must be >= 1")
-    imbalance, why = args.imbalance, "--imbalance" if "--imbalance" in sys.argv else "default"
+    imbalance, why = args.imbalance, "--imbalance"
+    if imbalance is None:
+        imbalance, why = DEFAULT_IMBALANCE, "default"
     if args.from_run:
         imbalance, why = imbalance_from_run(args.from_run)
     if not imbalance >= 1:
@@ -107,21 +115,18 @@ def _request(args) -> tuple[Request, str, str]:
 
 
 def _config_layout(req, plans) -> str:
-    """Where the config's own layout stands among the plans."""
-    p, t = req.base.parallel, req.base.train
-    want = dict(pp=p.pp, tp=p.tp, ep=p.ep, zero=p.zero, micro_batch=t.micro_batch_size,
-                recompute="full" if t.activation_checkpointing else "none",
-                capacity_factor=req.base.router.capacity_factor, virtual=p.pp_virtual)
-    fitting = [q for q in plans if q.fits]
-    for q in plans:
-        if all(getattr(q.layout, k) == v for k, v in want.items()) and \
-                (p.dp in (0, q.layout.dp)) and (q.layout.schedule == p.pp_schedule or p.pp == 1):
-            if q.fits:
-                i = fitting.index(q) + 1
-                return (f"the config's own layout ({q.layout.describe()}): #{i} of {len(fitting)}, "
-                        f"{q.time['step']:.2f} s per step, {q.memory['total'] / 2 ** 30:.1f} GiB")
-            return f"the config's own layout ({q.layout.describe()}): {q.reason}"
-    return "the config's own layout is not a candidate at this size (or does not validate)"
+    """Where the config's own layout stands: its rank among the fitting plans, or why not."""
+    layout = config_layout(req)
+    try:
+        own = evaluate(req, layout)
+    except ValueError as e:
+        return f"the config's own layout ({layout.describe()}) is not valid here: {e}"
+    if not own.fits:
+        return f"the config's own layout ({layout.describe()}): {own.reason}"
+    faster = sum(1 for p in plans if p.fits and p.time["step"] < own.time["step"])
+    return (f"the config's own layout ({layout.describe()}, micro-batch {layout.micro_batch}, "
+            f"recompute {layout.recompute}): {own.time['step']:.2f} s per step, "
+            f"{own.memory['total'] / 2 ** 30:.1f} GiB; {faster} fitting layouts are faster")
 
 
 def main(argv: list[str]) -> int:
@@ -146,12 +151,12 @@ def main(argv: list[str]) -> int:
                  "config_layout": _config_layout(req, plans)}
         if args.explain:
             extra["explain"] = explain(req, plans)
-        print(json.dumps(to_json(req, fitting, rejected, args.top, extra), indent=1))
+        print(json.dumps(to_json(req, plans, rejected, args.top, extra), indent=1))
         return 0
     lines = [f"moepar plan: {source} on {req.world} x {req.gpu.name}, sequences of {req.seq_len}, "
              f"{req.global_tokens:,} tokens per step; {len(plans):,} layouts costed, "
              f"{len(fitting):,} fit, in {seconds:.1f} s"]
-    lines += assumptions(req, why if not args.from_run else why)
+    lines += assumptions(req, why)
     lines.append("")
     if fitting:
         lines += table(fitting, args.top)
@@ -164,7 +169,9 @@ def main(argv: list[str]) -> int:
         lines.append("no layout fits")
     lines.append(_config_layout(req, plans))
     if rejected:
-        lines += ["", f"rejected families (pp, tp, ep), {len(rejected)}:"] + rejected_lines(rejected)
+        budget = (req.gpu.budget_bytes + req.gpu.overhead_gib * 2 ** 30) / 2 ** 30
+        lines += ["", f"rejected families (pp, tp, ep), {len(rejected)}:"]
+        lines += rejected_lines(rejected, budget, req.max_bubble)
     if written:
         lines += ["", f"wrote {written}"]
     if args.explain:

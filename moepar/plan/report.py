@@ -11,7 +11,7 @@ GIB = 2 ** 30
 
 
 def _route(capacity) -> str:
-    return "dropless" if capacity is None else f"cf {capacity:g}"
+    return "dropless" if capacity is None else f"cf={capacity:g}"
 
 
 def row(plan) -> dict:
@@ -61,23 +61,43 @@ def breakdown(plan) -> list[str]:
 
 
 def _group(families: list[tuple]) -> str:
-    """'pp 1,2 x tp 1,2 x ep 16' when the families are that product, else a list."""
+    """'pp 1,2 x tp 1,2 x ep 16' when the families are that product, else per pp and tp:
+    'pp 2: tp 1 ep 1,2,4; tp 2 ep 1,2'."""
     axes = [sorted({f[i] for f in families}) for i in range(3)]
-    product = 1
-    for a in axes:
-        product *= len(a)
-    if product == len(set(families)):
+    if len(axes[0]) * len(axes[1]) * len(axes[2]) == len(set(families)):
         return " x ".join(f"{name} {','.join(map(str, a))}" for name, a in
                           zip(("pp", "tp", "ep"), axes, strict=True))
-    return "; ".join(f"pp {p} tp {t} ep {e}" for p, t, e in families)
+    parts = []
+    for pp in axes[0]:
+        by_tp = {}
+        for f in sorted(families):
+            if f[0] == pp:
+                by_tp.setdefault(f[1], []).append(str(f[2]))
+        parts.append(f"pp {pp}: " + "; ".join(f"tp {t} ep {','.join(e)}" for t, e in
+                                               by_tp.items()))
+    return " | ".join(parts)
 
 
-def rejected_lines(rejected: dict) -> list[str]:
-    """One line per rejected family; families with the same reason share the line."""
-    by_reason: dict[str, list] = {}
-    for family, reason in rejected.items():
-        by_reason.setdefault(reason, []).append(family)
-    return [f"  {_group(fams)}: {reason}" for reason, fams in by_reason.items()]
+def rejected_lines(rejected: dict, budget_gib: float, max_bubble: float) -> list[str]:
+    """The rejected families, grouped: one line per validation error, and per pipeline depth
+    for memory and bubble (with the least bad layout of the group)."""
+    groups: dict[tuple, list] = {}
+    for family, r in rejected.items():
+        key = (r["kind"], r["reason"]) if r["kind"] == "indivisible" else (r["kind"], family[0])
+        groups.setdefault(key, []).append(family)
+    lines = []
+    for (kind, what), fams in groups.items():
+        if kind == "indivisible":
+            lines.append(f"  {_group(fams)}: indivisible: {what}")
+            continue
+        least = min(fams, key=lambda f: rejected[f]["value"])
+        r = rejected[least]
+        if kind == "out of memory":
+            detail = f"at least {r['value']:.1f} GiB per GPU > {budget_gib:.1f} GiB"
+        else:
+            detail = f"at least {100 * r['value']:.0f}% > {100 * max_bubble:.0f}%"
+        lines.append(f"  {_group(fams)}: {kind}, {detail} ({r['closest']})")
+    return lines
 
 
 def assumptions(req, imbalance_source: str) -> list[str]:
@@ -98,10 +118,12 @@ def assumptions(req, imbalance_source: str) -> list[str]:
 
 
 def to_json(req, plans: list, rejected: dict, top: int, extra: dict) -> dict:
+    """`plans`: every costed plan, fitting ones first (the first `top` fitting are listed)."""
+    fitting = [p for p in plans if p.fits]
     return {"world": req.world, "gpus_per_node": req.gpus_per_node, "seq_len": req.seq_len,
             "global_batch_tokens": req.global_tokens, "gpu": dataclasses.asdict(req.gpu),
             "imbalance": req.imbalance, "max_bubble": req.max_bubble,
-            "fitting": sum(p.fits for p in plans), "evaluated": len(plans),
-            "plans": [row(p) for p in plans[:top]],
-            "rejected": [{"pp": f[0], "tp": f[1], "ep": f[2], "reason": r}
+            "fitting": len(fitting), "evaluated": len(plans),
+            "plans": [row(p) for p in fitting[:top]],
+            "rejected": [{"pp": f[0], "tp": f[1], "ep": f[2], **r}
                          for f, r in rejected.items()], **extra}
