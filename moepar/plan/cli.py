@@ -2,9 +2,11 @@
 
     moepar plan MODEL --gpus N [--gpu h100-80g] [--gpus-per-node 8] [--seq-len S]
                 [--global-batch-tokens B] [--json] [--write plan.toml] [--explain]
-                [--from-run RUN | --imbalance F] [--set FIELD=VALUE ...]
+                [--from-run RUN | --imbalance F] [--set FIELD=VALUE ...] [--section.key=value ...]
 
-MODEL is a moepar TOML config or a Hugging Face config.json (or its folder).
+MODEL is a moepar TOML config or a Hugging Face config.json (or its folder); config keys can be
+overridden as for `moepar train` (the model, router, dtype, the layout "the config's own layout"
+reports on).
 """
 
 import argparse
@@ -33,7 +35,8 @@ def build_parser() -> argparse.ArgumentParser:
         prog="moepar plan", formatter_class=argparse.RawDescriptionHelpFormatter,
         description="Rank every valid layout (pp, dp, tp, ep, ZeRO, micro-batch, recompute) of "
                     "MODEL on --gpus GPUs by estimated step time, with memory per GPU.",
-        epilog="GPU fields for --set: " + ", ".join(FIELDS))
+        epilog="GPU fields for --set: " + ", ".join(FIELDS) + ". Config keys can be overridden "
+               "after MODEL as --section.key=value, as for moepar train.")
     p.add_argument("model", metavar="MODEL", help="moepar TOML config, or a Hugging Face "
                                                   "config.json or model folder")
     p.add_argument("--gpus", type=int, required=True, help="GPUs in the cluster (world size)")
@@ -73,7 +76,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def _request(args) -> tuple[Request, str, str]:
     import dataclasses
-    base, source = load_model(args.model)
+    base, source = load_model(args.model, args.overrides)
     if args.dtype:
         base = dataclasses.replace(base, train=dataclasses.replace(base.train, dtype=args.dtype))
     if args.gpus < 1 or args.gpus_per_node < 1:
@@ -130,7 +133,12 @@ def _config_layout(req, plans) -> str:
 
 
 def main(argv: list[str]) -> int:
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args, rest = parser.parse_known_args(argv)
+    args.overrides = [a for a in rest if a.startswith("--") and "." in a.split("=", 1)[0]]
+    unknown = [a for a in rest if a not in args.overrides]
+    if unknown:
+        parser.error(f"unrecognized arguments: {' '.join(unknown)}")
     started = time.perf_counter()
     try:
         req, source, why = _request(args)

@@ -86,10 +86,11 @@ def rank_footprint(cfg, dims, rank: int, spec: ActSpec, *, num_micro: int, sched
     per_kind = {}
     for moe, n in kinds.items():
         if n:
-            if (spec, moe) not in cache:
+            key = (spec, moe, router.capacity_factor)
+            if key not in cache:
                 layer = next(i for i in layers if model.is_moe_layer(i) == moe)
-                cache[(spec, moe)] = layer_bytes(model, router, layer, spec)
-            per_kind[moe] = cache[(spec, moe)]
+                cache[key] = layer_bytes(model, router, layer, spec)
+            per_kind[moe] = cache[key]
     sums = {k: sum(per_kind[moe][k] * n for moe, n in kinds.items() if n)
             for k in ("saved", "rows", "weights", "recompute")}
     alive = in_flight(schedule, dims.pp, coords.pp, num_micro, virtual)

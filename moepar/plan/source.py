@@ -8,14 +8,30 @@ import os
 import shutil
 import tempfile
 
-from moepar.config import DataConfig, RunConfig, load_config
+from moepar.config import DataConfig, RunConfig, load_config, to_toml
 
 __all__ = ["load_model", "imbalance_from_run"]
 
 
-def load_model(path: str) -> tuple[RunConfig, str]:
-    """(base run config, what it is) for a TOML config or a Hugging Face config.json / folder.
-    Raises ValueError naming the file and the problem."""
+def load_model(path: str, overrides: list[str] = ()) -> tuple[RunConfig, str]:
+    """(base run config, what it is) for a TOML config or a Hugging Face config.json / folder,
+    with `--section.key=value` overrides applied. Raises ValueError naming the problem."""
+    cfg, source = _load(path)
+    if not overrides:
+        return cfg, source
+    if source.startswith("moepar config"):
+        return load_config(path, list(overrides)), source
+    with tempfile.TemporaryDirectory() as tmp:    # the trainer's own override path
+        toml = os.path.join(tmp, "base.toml")
+        with open(toml, "w") as f:
+            f.write(to_toml(cfg))
+        try:
+            return load_config(toml, list(overrides)), source
+        except ValueError as e:
+            raise ValueError(str(e).replace(toml, path)) from None
+
+
+def _load(path: str) -> tuple[RunConfig, str]:
     if os.path.isdir(path):
         if os.path.isfile(os.path.join(path, "config.json")):
             return _from_hf(path)

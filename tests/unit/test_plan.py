@@ -234,3 +234,25 @@ def test_bad_model_paths_are_named(tmp_path):
     (tmp_path / "config.json").write_text(json.dumps({"model_type": "gpt2"}))
     with pytest.raises(ValueError, match="unsupported architecture"):
         load_model(str(tmp_path / "config.json"))
+
+
+@pytest.mark.parametrize("world, pp, tp, ep", [(64, 4, 2, 8), (64, 2, 1, 16), (128, 4, 4, 32),
+                                               (64, 16, 2, 4), (256, 2, 8, 64)])
+def test_node_spans_from_one_stage_equal_the_whole_world(world, pp, tp, ep):
+    from moepar.parallel.dims import ParallelDims
+    from moepar.plan.candidates import _links
+    dims = ParallelDims.resolve(world, pp, 0, tp, ep, gpus_per_node=8)
+    links = _links(dims)
+    for axis in ("tp", "ep", "dp", "edp", "pp"):
+        assert links[axis] == dims.spans_nodes(axis), axis
+
+
+def test_routing_both_plans_dropless_and_capacity(tmp_path):
+    req = tiny_request(world=2, routing=("dropless", "capacity"), capacity_factor=1.5)
+    req = dataclasses.replace(req, base=dataclasses.replace(
+        req.base, router=dataclasses.replace(req.base.router, capacity_factor=None)))
+    plans, _ = search(req)
+    assert {p.layout.capacity_factor for p in plans if p.fits} == {None, 1.5}
+    capacity = next(p for p in plans if p.fits and p.layout.capacity_factor == 1.5)
+    back = load_config(write_plan(str(tmp_path / "p.toml"), req.base, capacity, req, "tiny"))
+    assert back.router.capacity_factor == 1.5

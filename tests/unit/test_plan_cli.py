@@ -68,3 +68,11 @@ def test_from_run_sets_the_imbalance(capsys, tmp_path):
 def test_bad_input_is_named(capsys, args, message):
     rc, _, err = run(capsys, *args)
     assert rc == 2 and message in err and "Traceback" not in err
+
+
+def test_config_overrides_reach_the_plan(capsys):
+    rc, out, _ = run(capsys, "examples/tiny.toml", "--gpus", "2", "--parallel.ep=2",
+                     "--parallel.zero=2", "--top", "1")
+    assert rc == 0 and "the config's own layout (pp 1 dp 2 tp 1 ep 2 zero 2" in out
+    rc, _, err = run(capsys, "examples/tiny.toml", "--gpus", "2", "--model.nope=1")
+    assert rc == 2 and "examples/tiny.toml: unknown config key 'model.nope'" in err
