@@ -93,10 +93,11 @@ def rejected_lines(rejected: dict, budget_gib: float, max_bubble: float) -> list
         least = min(fams, key=lambda f: rejected[f]["value"])
         r = rejected[least]
         if kind == "out of memory":
-            detail = f"at least {r['value']:.1f} GiB per GPU > {budget_gib:.1f} GiB"
+            line = f"out of memory, at least {r['value']:.1f} GiB per GPU > {budget_gib:.1f} GiB"
         else:
-            detail = f"at least {100 * r['value']:.0f}% > {100 * max_bubble:.0f}%"
-        lines.append(f"  {_group(fams)}: {kind}, {detail} ({r['closest']})")
+            line = (f"bubble too large, at least {100 * r['value']:.0f}% > "
+                    f"{100 * max_bubble:.0f}% among the layouts that fit in memory")
+        lines.append(f"  {_group(fams)}: {line} ({r['closest']})")
     return lines
 
 

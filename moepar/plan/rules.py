@@ -36,7 +36,11 @@ How moepar plan chooses (each rule is a constraint of the search or a cost in it
 5. Recompute trades compute for activations: full recompute keeps each block's input only and
    adds one forward (about a third more compute); "attention" and "experts" rebuild only those
    regions (planned: the trainer has none and full today).
-6. Among the layouts that fit, the fastest step wins; ties go to less memory."""
+6. Under bfloat16 autocast every micro-batch in flight keeps its own bf16 copy of its stage's
+   matmul weights (autocast casts them again in each forward, and backward needs them), unless
+   ZeRO-3 gathers the weights in bf16 and frees them after forward, or full recompute drops
+   them. Deep pipelines at ZeRO 0-2 pay it once per micro-batch in flight.
+7. Among the layouts that fit, the fastest step wins; ties go to less memory."""
 
 
 def explain(req, plans: list) -> list[str]:
@@ -48,7 +52,8 @@ def explain(req, plans: list) -> list[str]:
                  f"experts, {100 * counts['expert'] / counts['total']:.0f}%), "
                  f"{counts['active'] / 1e9:.2f}B active per token")
     lines.append(f"  unsharded: {16 * counts['total'] / 2 ** 30:.0f} GiB of parameters, gradients "
-                 f"and AdamW state, half of it AdamW state: ZeRO-1 halves it on the data ranks")
+                 "and AdamW state; half of it is AdamW state, which ZeRO-1 shards over the data "
+                 "ranks")
     node = min(req.gpus_per_node, req.world)
     tps = [t for t in range(1, node + 1) if node % t == 0 and model.num_heads % t == 0]
     lines.append(f"  tp within a node of {node}: {', '.join(map(str, tps))} (heads "
