@@ -20,6 +20,7 @@ COMMANDS = {
     "convert": ("moepar.hf.cli", "convert Hugging Face checkpoints to moepar and back"),
     "data": ("moepar.data.cli", "tokenize text into a prepared folder: moepar data prepare ..."),
     "inspect": ("moepar.inspect", "a run's expert load: hot, cold, dead experts, drops, plots"),
+    "plan": ("moepar.plan.cli", "choose a layout for a model on N GPUs: memory and step time"),
     "bench": ("moepar.bench", "benchmarks: moe-layer, dispatch, memory, pipeline, checkpoint, train"),
 }
 

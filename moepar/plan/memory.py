@@ -28,6 +28,7 @@ N-1 elements per bucket, ignored here); stage 3 (FSDP2) chunks each tensor along
 dimension that N divides (else dim 0), in torch.chunk sizes, computed here exactly.
 """
 
+import functools
 import math
 
 from moepar.parallel.pipeline import rank_chunks, split_layers
@@ -98,6 +99,7 @@ def param_count(cfg) -> dict:
     return {"total": dense + expert, "dense": dense, "expert": expert, "active": active}
 
 
+@functools.lru_cache(maxsize=4096)    # the planner asks for the same shapes many times
 def _fsdp_local(shape: tuple, world: int, index: int) -> int:
     """Elements of FSDP2's chunk of a tensor on rank `index` of `world` (zero 3)."""
     dim = next((d for d in range(len(shape)) if shape[d] % world == 0), 0)
@@ -106,10 +108,12 @@ def _fsdp_local(shape: tuple, world: int, index: int) -> int:
 
 
 def rank_memory(cfg, dims, rank: int, zero: int = 0, element_bytes: int = 4,
-                pp_virtual: int = 1, pp_layers: list[int] | None = None) -> dict:
-    """Bytes of parameters, gradients and AdamW state on `rank`, and its element counts."""
+                pp_virtual: int = 1, pp_layers: list[int] | None = None,
+                shapes: dict | None = None) -> dict:
+    """Bytes of parameters, gradients and AdamW state on `rank`, and its element counts.
+    `shapes`: tensor_shapes(cfg, tp=dims.tp), when the caller has it."""
     coords = dims.coords(rank)
-    shapes = tensor_shapes(cfg, tp=dims.tp)
+    shapes = shapes or tensor_shapes(cfg, tp=dims.tp)
     counts = split_layers(cfg.num_layers, dims.pp, pp_virtual, pp_layers or None)
     chunks = rank_chunks(coords.pp, dims.pp, pp_virtual)
     layers = [i for c in chunks for i in range(sum(counts[:c]), sum(counts[:c + 1]))]
