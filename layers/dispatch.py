@@ -6,7 +6,9 @@ E experts, K slots per token (token-choice routing).
 This is the seam between single-device maths and communication: an expert-parallel dispatcher
 (in `moepar.parallel`) has the same two methods. `dispatch` returns a frozen plan that `combine`
 consumes, so nothing lives on `self` between the two (safe under recompute and pipelining).
-The one host sync is `rows_per_expert` (the grouped GEMM needs group sizes on the host).
+The one host sync per layer is `counts_to_host` (the grouped GEMM and the all-to-all need group
+sizes on the host); everything else (counts, offsets, permutations) is built on the device, and
+backward never syncs.
 
 Token-choice routing (every token has K slots, n = t*K + k) moves rows by gathers only, forward
 and backward: the sort is a permutation of the N slots, so its inverse is a gather too, and the
@@ -21,7 +23,7 @@ import torch
 from .router import Routing
 
 __all__ = ["LocalPlan", "LocalDispatcher", "sort_by_expert", "gather_sorted", "permute_rows",
-           "inverse_permutation"]
+           "inverse_permutation", "counts_to_host", "group_offsets"]
 
 
 @dataclass(frozen=True)
@@ -29,21 +31,43 @@ class LocalPlan:
     kept_R: torch.Tensor          # assignment (slot) index of each row, rows in expert-major order
     token_R: torch.Tensor         # source token of each row
     rows_per_expert: list[int]    # host copy of the kept rows per expert (the one sync)
+    offs_E: torch.Tensor          # their int32 cumulative sum on the device (grouped GEMM offsets)
     num_tokens: int
     weight_N: torch.Tensor        # combine weight per assignment
     top_k: int | None             # set: slot layout (gather combine); None: scatter combine
     slot_to_row_N: torch.Tensor | None  # inverse of the sort; dropped slots point at row R (zero)
 
 
+def counts_to_host(counts: torch.Tensor) -> list[int]:
+    """The one device-to-host sync of a MoE layer: split sizes the host needs (grouped GEMM
+    groups, all-to-all splits). On CUDA the copy lands in pinned memory and waits on an event
+    for that copy alone, not on a pageable `.tolist()` copy."""
+    if counts.device.type != "cuda":
+        return counts.tolist()
+    host = torch.empty(counts.shape, dtype=counts.dtype, pin_memory=True)
+    host.copy_(counts, non_blocking=True)
+    copied = torch.cuda.Event()
+    copied.record(torch.cuda.current_stream(counts.device))
+    copied.synchronize()
+    return host.tolist()
+
+
+def group_offsets(counts_G: torch.Tensor) -> torch.Tensor:
+    """int32 cumulative row counts on the device: the `offs` of torch._grouped_mm."""
+    return torch.cumsum(counts_G, 0, dtype=torch.int32)
+
+
 def sort_by_expert(expert_N: torch.Tensor, num_experts: int):
     """Stable sort of assignments by expert; returns (order_N, counts_E) on the device, no sync.
 
     Dropped assignments carry expert id E and sort last (and are not counted); a stable sort keeps
-    token order within each expert, so every layout sees the same rows in the same order.
+    token order within each expert, so every layout sees the same rows in the same order. The
+    counts come from a binary search of the sorted ids (no `bincount`, which syncs on CUDA).
     """
     expert_sorted_N, order_N = torch.sort(expert_N, stable=True)
-    counts = torch.bincount(expert_sorted_N, minlength=num_experts + 1)
-    return order_N, counts[:num_experts]
+    bounds = torch.searchsorted(expert_sorted_N, torch.arange(
+        num_experts + 1, device=expert_N.device, dtype=expert_sorted_N.dtype))
+    return order_N, bounds.diff()
 
 
 class _PermuteRows(torch.autograd.Function):
@@ -123,8 +147,9 @@ def _unsort(rows_RD, slot_to_row_N):
     return rows_RD.index_select(0, slot_to_row_N)
 
 
-def gather_sorted(x_TD, routing: Routing, order_N, rows_per_expert: list[int]):
-    """The rows of x for the kept assignments in `order_N`, and the plan to combine them back."""
+def gather_sorted(x_TD, routing: Routing, order_N, rows_per_expert: list[int], counts_E):
+    """The rows of x for the kept assignments in `order_N`, and the plan to combine them back.
+    `rows_per_expert` is the host copy of the device `counts_E`."""
     num_rows = sum(rows_per_expert)
     kept_R = order_N[:num_rows]
     token_R = routing.token_N[kept_R]
@@ -136,8 +161,8 @@ def gather_sorted(x_TD, routing: Routing, order_N, rows_per_expert: list[int]):
         x_RD = _GatherTokens.apply(x_TD, token_R, slot_to_row_N, routing.top_k)
     else:
         x_RD = x_TD.index_select(0, token_R)
-    plan = LocalPlan(kept_R, token_R, rows_per_expert, x_TD.shape[0], routing.weight_N,
-                     routing.top_k, slot_to_row_N)
+    plan = LocalPlan(kept_R, token_R, rows_per_expert, group_offsets(counts_E), x_TD.shape[0],
+                     routing.weight_N, routing.top_k, slot_to_row_N)
     return x_RD, plan
 
 
@@ -150,7 +175,7 @@ class LocalDispatcher:
     def dispatch(self, x_TD: torch.Tensor, routing: Routing):
         """Returns (x_RD rows grouped by expert, plan). Dropped copies (expert == E) are cut off."""
         order_N, counts_E = sort_by_expert(routing.expert_N, self.num_experts)
-        return gather_sorted(x_TD, routing, order_N, counts_E.tolist())
+        return gather_sorted(x_TD, routing, order_N, counts_to_host(counts_E), counts_E)
 
     def combine(self, y_RD: torch.Tensor, plan: LocalPlan) -> torch.Tensor:
         return combine_sorted(y_RD, plan)

@@ -55,7 +55,7 @@ def _in_features(ffn_dim: int, activation: str) -> int:
 class GroupedExperts(nn.Module):
     """E experts with weights stacked on dim 0: `w_in_EDH` [E, D, 2F or F], `w_out_EFD` [E, F, D].
 
-    forward(x_RD, rows_per_expert) runs expert e on its contiguous block of rows; no Python loop
+    forward(x_RD, rows_per_expert, offs_E) runs expert e on its contiguous block of rows; no Python loop
     over experts. Expert parallelism shards dim 0 (each rank holds its local experts).
     """
 
@@ -70,8 +70,11 @@ class GroupedExperts(nn.Module):
         nn.init.normal_(self.w_in_EDH, std=init_std)
         nn.init.normal_(self.w_out_EFD, std=out_init_std or init_std)
 
-    def forward(self, x_RD, rows_per_expert: list[int]):
-        offs_E = torch.tensor(rows_per_expert, device=x_RD.device).cumsum(0).to(torch.int32)
+    def forward(self, x_RD, rows_per_expert: list[int], offs_E: torch.Tensor | None = None):
+        """`offs_E`: the int32 cumulative rows per expert on the device, as the dispatchers' plans
+        carry it; built from the host list (a host-to-device copy) only when not given."""
+        if offs_E is None:
+            offs_E = torch.tensor(rows_per_expert, device=x_RD.device).cumsum(0).to(torch.int32)
         h_RH = grouped_mm(x_RD, self.w_in_EDH, rows_per_expert, offs_E)
         return grouped_mm(_activate(h_RH, self.activation), self.w_out_EFD, rows_per_expert, offs_E)
 

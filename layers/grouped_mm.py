@@ -44,16 +44,24 @@ def grouped_mm_backend(device_type: str, dtype: torch.dtype) -> str:
     return "native" if _native_runs(device_type, dtype) else "padded"
 
 
-def _padded_mm(x_RI, w_GIO, rows_per_group: list[int]):
+def _offsets(rows_per_group: list[int], device) -> torch.Tensor:
+    # A host-to-device copy: only for callers that do not pass the plan's device offsets.
+    return torch.tensor(rows_per_group, device=device).cumsum(0).to(torch.int32)
+
+
+def _padded_mm(x_RI, w_GIO, rows_per_group: list[int], offs_G: torch.Tensor | None = None):
     num_groups = len(rows_per_group)
     max_rows = max(rows_per_group) if rows_per_group else 0
     if num_groups * max_rows > 2 * x_RI.shape[0] + 1024:
         # Skewed routing would make the padded buffer up to E/k times the rows: per group instead.
         return torch.cat([x @ w_GIO[g] for g, x in enumerate(x_RI.split(rows_per_group))])
-    counts_G = torch.tensor(rows_per_group, device=x_RI.device)
+    if offs_G is None:
+        offs_G = _offsets(rows_per_group, x_RI.device)
+    ends_G = offs_G.long()
+    counts_G = ends_G.diff(prepend=ends_G.new_zeros(1))
     group_R = torch.repeat_interleave(torch.arange(num_groups, device=x_RI.device), counts_G,
                                       output_size=x_RI.shape[0])
-    starts_G = torch.cumsum(counts_G, 0) - counts_G
+    starts_G = ends_G - counts_G
     slot_R = group_R * max_rows + torch.arange(x_RI.shape[0], device=x_RI.device) - starts_G[group_R]
     buf_SI = x_RI.new_zeros(num_groups * max_rows, x_RI.shape[1])
     buf_SI = buf_SI.index_copy(0, slot_R, x_RI)
@@ -75,15 +83,15 @@ def grouped_mm(x_RI: torch.Tensor, w_GIO: torch.Tensor, rows_per_group: list[int
     if x_RI.shape[0] == 0:
         # No rows: keep both inputs in the graph so their gradients are real zeros, not None.
         return x_RI.new_zeros(0, w_GIO.shape[-1]) + 0.0 * w_GIO.sum() + 0.0 * x_RI.sum()
+    if offs_G is None:
+        offs_G = _offsets(rows_per_group, x_RI.device)
     if _native_fits(x_RI, w_GIO):
-        if offs_G is None:
-            offs_G = torch.tensor(rows_per_group, device=x_RI.device).cumsum(0).to(torch.int32)
         y_RO = torch._grouped_mm(x_RI, w_GIO, offs=offs_G)
         if y_RO.requires_grad:
             # The kernel's backward rejects stride-0 gradients (as from y.sum()): densify them.
             y_RO.register_hook(torch.Tensor.contiguous)
         return y_RO
-    return _padded_mm(x_RI, w_GIO, rows_per_group)
+    return _padded_mm(x_RI, w_GIO, rows_per_group, offs_G)
 
 
 def _native_fits(x_RI, w_GIO) -> bool:

@@ -4,7 +4,7 @@ Legend: T tokens, D model dim, R rows sent to experts, S sequence length.
 
     x_TD -> router -> (routing, losses, stats)
          -> dispatcher.dispatch(x_TD, routing) -> (x_RD, plan)
-         -> experts(x_RD, plan.rows_per_expert) -> y_RD
+         -> experts(x_RD, plan.rows_per_expert, plan.offs_E) -> y_RD
          -> dispatcher.combine(y_RD, plan) -> y_TD  (+ shared experts)
 
 Aux losses are returned, never kept in a module global. With `aux_loss_scale` set, the layer also
@@ -100,7 +100,7 @@ class MoE(nn.Module):
             routing = dataclasses.replace(routing, weight_N=inject_aux_loss(
                 routing.weight_N, losses.total, self.aux_loss_scale))
         x_RD, plan = self.dispatcher.dispatch(x_TD, routing)
-        y_RD = self.experts(x_RD, plan.rows_per_expert)
+        y_RD = self.experts(x_RD, plan.rows_per_expert, plan.offs_E)
         y_TD = self.dispatcher.combine(y_RD, plan).to(x.dtype)
         if self.shared is not None:
             y_TD = y_TD + self.shared(x_TD)

@@ -19,7 +19,7 @@ import torch.nn.functional as F
 from torch import nn
 
 __all__ = ["RouterConfig", "Routing", "RouterLosses", "RoutingStats", "TopKRouter",
-           "ExpertChoiceRouter", "build_router", "capacity", "switch_balance_loss",
+           "ExpertChoiceRouter", "build_router", "capacity", "expert_counts", "switch_balance_loss",
            "sequence_balance_loss", "z_loss"]
 
 _ROUTER_TYPES = ("topk", "expert_choice")
@@ -121,14 +121,25 @@ def capacity(num_tokens: int, top_k: int, capacity_factor: float, num_experts: i
     return math.ceil(Fraction(num_tokens * top_k) * factor / num_experts)
 
 
-def switch_balance_loss(probs_TE, experts_TK):
+def expert_counts(experts, num_experts: int):
+    """Copies per expert (int64, [E]) by a scatter-add of static size: no host sync, unlike
+    `torch.bincount`, which reads the largest id on the host (two syncs on CUDA). Integer adds
+    commute, so the counts are the same whatever the order of the GPU's atomics."""
+    flat = experts.flatten()
+    counts_E = torch.zeros(num_experts, dtype=torch.long, device=flat.device)
+    return counts_E.scatter_add_(0, flat, torch.ones_like(flat))
+
+
+def switch_balance_loss(probs_TE, experts_TK, counts_E=None):
     """Switch/GShard loss E * sum_e f_e * P_e over the group; 1.0 when perfectly balanced.
 
     f_e = share of the T*K routed copies sent to e (before drops), P_e = mean probability of e.
+    `counts_E` (copies per expert) is computed here unless the caller already has it.
     """
     num_tokens, num_experts = probs_TE.shape
-    counts_E = torch.bincount(experts_TK.flatten(), minlength=num_experts).to(probs_TE.dtype)
-    f_E = counts_E / experts_TK.numel()
+    if counts_E is None:
+        counts_E = expert_counts(experts_TK, num_experts)
+    f_E = counts_E.to(probs_TE.dtype) / experts_TK.numel()
     return num_experts * torch.sum(f_E * probs_TE.mean(0))
 
 
@@ -214,8 +225,9 @@ class TopKRouter(_RouterBase):
             scores_TE.sum(-1, keepdim=True) + 1e-20)
         seq_len = seq_len or num_tokens
         group = self.token_group
+        counts_E = expert_counts(experts_TK, self.num_experts)   # the loss's and the stats'
         if group is None:
-            balance = switch_balance_loss(probs_TE, experts_TK)
+            balance = switch_balance_loss(probs_TE, experts_TK, counts_E)
             seq_balance = sequence_balance_loss(probs_TE.view(-1, seq_len, self.num_experts),
                                                 experts_TK.view(-1, seq_len, self.top_k))
             z = z_loss(logits_TE)
@@ -236,7 +248,6 @@ class TopKRouter(_RouterBase):
                 keep_N = self._group_within_capacity(expert_N, weight_N.detach(), cap, seq_len, group)
             expert_N = torch.where(keep_N, expert_N, self.num_experts)
         token_N = torch.arange(num_tokens, device=x_TD.device).repeat_interleave(self.top_k)
-        counts_E = torch.bincount(experts_TK.flatten(), minlength=self.num_experts)
         stats = RoutingStats(counts_E.to(torch.float32), (expert_N == self.num_experts).sum(),
                              expert_N.numel())
         return Routing(token_N, expert_N, weight_N, self.top_k), losses, stats
@@ -255,8 +266,9 @@ class TopKRouter(_RouterBase):
             priority_N = torch.arange(num_assign, device=expert_N.device)
         expert_sorted, idx = torch.sort(expert_N[priority_N], stable=True)
         order_N = priority_N[idx]
-        counts_E = torch.bincount(expert_N, minlength=self.num_experts)
-        starts_E = torch.cumsum(counts_E, 0) - counts_E
+        # Where each expert's run starts in the sorted ids: a binary search, no host sync.
+        starts_E = torch.searchsorted(expert_sorted, torch.arange(
+            self.num_experts, device=expert_N.device, dtype=expert_sorted.dtype))
         rank_N = torch.empty_like(expert_N)
         rank_N[order_N] = torch.arange(num_assign, device=expert_N.device) - starts_E[expert_sorted]
         return rank_N < cap
@@ -316,8 +328,9 @@ class ExpertChoiceRouter(_RouterBase):
         zero = z.new_zeros(())
         losses = RouterLosses(self.cfg.z_coeff * z, zero, zero, z.detach())
         expert_N = torch.arange(self.num_experts, device=x_TD.device).repeat_interleave(cap)
-        chosen_T = torch.zeros(num_tokens, dtype=torch.bool, device=x_TD.device)
-        chosen_T[token_EC.flatten()] = True
+        # index_fill_ takes the value as a scalar; `chosen_T[idx] = True` copies it from the host.
+        chosen_T = torch.zeros(num_tokens, dtype=torch.bool, device=x_TD.device).index_fill_(
+            0, token_EC.flatten(), True)
         stats = RoutingStats(torch.full((self.num_experts,), float(cap), device=x_TD.device),
                              (~chosen_T).sum(), num_tokens)
         return Routing(token_EC.flatten(), expert_N, weight_EC.flatten()), losses, stats

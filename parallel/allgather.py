@@ -18,7 +18,8 @@ from dataclasses import dataclass
 
 import torch
 
-from moepar.layers.dispatch import LocalPlan, combine_sorted, gather_sorted, sort_by_expert
+from moepar.layers.dispatch import (LocalPlan, combine_sorted, counts_to_host, gather_sorted,
+                                    sort_by_expert)
 from moepar.layers.router import Routing
 
 from .comm import all_gather_rows, group_size, reduce_scatter_rows, to_wire
@@ -30,6 +31,7 @@ __all__ = ["AllGatherDispatcher", "AllGatherPlan"]
 class AllGatherPlan:
     local: LocalPlan
     rows_per_expert: list[int]
+    offs_E: torch.Tensor
 
 
 class AllGatherDispatcher:
@@ -53,9 +55,9 @@ class AllGatherDispatcher:
         local_e = torch.where(mine, local_e, self.num_local)
         local_routing = Routing(token_all, local_e, weight_all, routing.top_k)
         order_N, counts = sort_by_expert(local_e, self.num_local)
-        rows = counts.tolist()   # the one host sync
-        x_RD, local = gather_sorted(x_all, local_routing, order_N, rows)
-        return x_RD, AllGatherPlan(local, rows)
+        rows = counts_to_host(counts)   # the one host sync
+        x_RD, local = gather_sorted(x_all, local_routing, order_N, rows, counts)
+        return x_RD, AllGatherPlan(local, rows, local.offs_E)
 
     def combine(self, y_RD: torch.Tensor, plan: AllGatherPlan) -> torch.Tensor:
         partial_all = combine_sorted(y_RD, plan.local)   # [P*T, D], my experts' share only

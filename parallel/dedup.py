@@ -14,7 +14,9 @@ P = ep ranks, El local experts. Talks on the `ep` group only.
 | rows back         | all_to_all_single, Q rows of D (partial sums)       | all_to_all_single           |
 
 Bytes of hidden state on the wire: Q*D each way instead of the plain dispatcher's A*D; the ids
-and weights add 3 numbers per assignment. One host sync per layer (all counts together).
+and weights add 3 numbers per assignment. One host sync per layer (all counts together); pair
+keys, counts and offsets are built on the device without boolean masks or `bincount` (which
+sync on CUDA), and backward never syncs.
 """
 
 from dataclasses import dataclass
@@ -22,8 +24,9 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from moepar.layers.dispatch import inverse_permutation, permute_rows, sort_by_expert
-from moepar.layers.router import Routing
+from moepar.layers.dispatch import (counts_to_host, group_offsets, inverse_permutation,
+                                    permute_rows, sort_by_expert)
+from moepar.layers.router import Routing, expert_counts
 
 from .comm import all_to_all, group_size, to_wire
 from .splitcheck import check_splits
@@ -42,6 +45,7 @@ class DedupPlan:
     order_A: torch.Tensor          # arrival -> expert-major
     inverse_A: torch.Tensor
     rows_per_expert: list[int]     # assignments per local expert (the grouped GEMM's groups)
+    offs_E: torch.Tensor           # their int32 cumulative sum, on the device
 
 
 class DedupAllToAllDispatcher:
@@ -64,17 +68,20 @@ class DedupAllToAllDispatcher:
         first = torch.ones_like(key_sorted, dtype=torch.bool)
         first[1:] = key_sorted[1:] != key_sorted[:-1]
         pair_of_sorted = torch.cumsum(first, 0) - 1
-        pair_key = key_sorted[first]
-        pair_dest = torch.div(pair_key, num_tokens, rounding_mode="floor")
-        pairs_per_dest = torch.bincount(pair_dest, minlength=P + 1)[:P]
-        assigns_PE = torch.bincount(routing.expert_N, minlength=self.num_experts + 1)[:-1].view(P, El)
+        # Each pair's key, without a boolean mask (whose size the host would need): every copy
+        # writes its pair's slot, and the copies of one pair carry the same key.
+        pair_key = key_sorted.new_empty(key_sorted.shape).scatter_(0, pair_of_sorted, key_sorted)
+        dest_sorted = torch.div(key_sorted, num_tokens, rounding_mode="floor")
+        pairs_per_dest = torch.zeros(P + 1, dtype=torch.long, device=x_TD.device).scatter_add_(
+            0, dest_sorted, first.long())[:P]
+        assigns_PE = expert_counts(routing.expert_N, self.num_experts + 1)[:-1].view(P, El)
         send = torch.cat([pairs_per_dest.unsqueeze(1), assigns_PE], 1)         # [P, 1+El]
         recv = torch.empty_like(send)
         if P > 1:
             dist.all_to_all_single(recv, send.contiguous(), group=self.group)
         else:
             recv = send
-        host = torch.cat([send.flatten(), recv.flatten()]).tolist()          # the one host sync
+        host = counts_to_host(torch.cat([send.flatten(), recv.flatten()]))   # the one host sync
         send_h = [host[p * (1 + El):(p + 1) * (1 + El)] for p in range(P)]
         recv_h = [host[(P + p) * (1 + El):(P + p + 1) * (1 + El)] for p in range(P)]
         send_rows, recv_rows = [r[0] for r in send_h], [r[0] for r in recv_h]
@@ -98,16 +105,17 @@ class DedupAllToAllDispatcher:
                                  self.group).squeeze(1)
 
         # Destination side: expand rows to assignments, grouped by local expert.
-        recv_rows_t = torch.tensor(recv_rows, device=x_TD.device)
+        # (from the device copy of the received counts: no host-to-device copy of the lists)
+        recv_rows_t = recv[:, 0]
         src_of_assign = torch.repeat_interleave(
-            torch.arange(P, device=x_TD.device), torch.tensor(recv_assign, device=x_TD.device),
-            output_size=sum(recv_assign))
+            torch.arange(P, device=x_TD.device), recv[:, 1:].sum(1), output_size=sum(recv_assign))
         row_of_assign = meta_recv[:, 0] + (torch.cumsum(recv_rows_t, 0) - recv_rows_t)[src_of_assign]
-        order_A, _ = sort_by_expert(meta_recv[:, 1], El)
+        order_A, counts_El = sort_by_expert(meta_recv[:, 1], El)
         rows_per_expert = [sum(recv_h[s][1 + e] for s in range(P)) for e in range(El)]
         x_RD = x_recv.index_select(0, row_of_assign[order_A])
         plan = DedupPlan(pair_token_Q, num_tokens, send_rows, recv_rows, row_of_assign,
-                         weight_recv, order_A, inverse_permutation(order_A), rows_per_expert)
+                         weight_recv, order_A, inverse_permutation(order_A), rows_per_expert,
+                         group_offsets(counts_El))
         return x_RD, plan
 
     def combine(self, y_RD: torch.Tensor, plan: DedupPlan) -> torch.Tensor:

@@ -110,10 +110,10 @@ def case_split_mismatch_raises(ep: int):
     real = moe.dispatcher.exchange_counts
 
     def corrupt(counts_E):
-        sent, received = real(counts_E)
+        sent, received, recv_PE = real(counts_E)
         if rank == 1:
             received[0][0] += 1   # rank 1 now expects a row rank 0 never sends
-        return sent, received
+        return sent, received, recv_PE
 
     moe.dispatcher.exchange_counts = corrupt
     x = torch.randn(T, DIM, dtype=torch.float64)
@@ -176,3 +176,28 @@ def case_bf16_rows_travel_as_bf16(dedup: bool):
 @pytest.mark.parametrize("dedup", [False, True])
 def test_bf16_rows_travel_as_bf16(worlds, dedup):
     assert all(n >= 4 for n in worlds(2).run(case_bf16_rows_travel_as_bf16, dedup))
+
+
+def case_sync_budget(ep: int, dispatcher: str, dedup: bool, capacity_factor):
+    """One forward syncs the host once (the split sizes), backward never: the counts as CUDA
+    would pay them (tests/synccount.py), on every rank, after a warm-up call."""
+    from synccount import SyncCounter
+    rank, dims, meshes = setup(ep)
+    torch.manual_seed(0)
+    moe = apply_ep(MoE(DIM * 2, FFN, E, K, num_shared_experts=1, aux_loss_scale=1.0,
+                       capacity_factor=capacity_factor), dims, meshes, rank, dispatcher, dedup)
+    x = torch.randn(2, T, DIM * 2, generator=torch.Generator().manual_seed(rank),
+                    requires_grad=True)
+    moe(x).y.sum().backward()
+    with SyncCounter() as fwd:
+        y = moe(x).y
+    with SyncCounter() as bwd:
+        y.square().sum().backward()
+    return fwd.count, bwd.count, fwd.report() + "\n" + bwd.report()
+
+
+@pytest.mark.parametrize("capacity_factor", [None, 1.0])
+@pytest.mark.parametrize("kind", KINDS, ids=lambda k: k[0] + ("-dedup" if k[1] else ""))
+def test_sync_budget(worlds, kind, capacity_factor):
+    for fwd, bwd, report in worlds(2).run(case_sync_budget, 2, kind[0], kind[1], capacity_factor):
+        assert (fwd, bwd) == (1, 0), report
