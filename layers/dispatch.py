@@ -12,8 +12,11 @@ backward never syncs.
 
 Token-choice routing (every token has K slots, n = t*K + k) moves rows by gathers only, forward
 and backward: the sort is a permutation of the N slots, so its inverse is a gather too, and the
-K copies of a token meet in a dense [T, K, D] sum. Scatter-adds (serial, atomic on GPUs) are
-left to routings without that structure (expert choice), which use `index_add`.
+K copies of a token meet in a dense [T, K, D] sum. Routings without that structure (expert
+choice) and the dedup dispatcher sum rows into tokens with `sum_rows` / `gather_rows`: a stable
+sort builds a [T, M] table of each token's rows (M a static bound on the copies per token), and
+the rows are summed slot by slot in that fixed order. No float `index_add` (atomics on GPUs,
+whose order changes from run to run), so results are bit-reproducible on CUDA too.
 """
 
 from dataclasses import dataclass
@@ -23,7 +26,8 @@ import torch
 from .router import Routing
 
 __all__ = ["LocalPlan", "LocalDispatcher", "sort_by_expert", "gather_sorted", "permute_rows",
-           "inverse_permutation", "counts_to_host", "group_offsets"]
+           "inverse_permutation", "counts_to_host", "group_offsets", "segment_slots", "sum_rows",
+           "gather_rows"]
 
 
 @dataclass(frozen=True)
@@ -36,6 +40,7 @@ class LocalPlan:
     weight_N: torch.Tensor        # combine weight per assignment
     top_k: int | None             # set: slot layout (gather combine); None: scatter combine
     slot_to_row_N: torch.Tensor | None  # inverse of the sort; dropped slots point at row R (zero)
+    rows_of_token_TM: torch.Tensor | None  # scatter layout: each token's rows (segment_slots)
 
 
 def counts_to_host(counts: torch.Tensor) -> list[int]:
@@ -147,22 +152,86 @@ def _unsort(rows_RD, slot_to_row_N):
     return rows_RD.index_select(0, slot_to_row_N)
 
 
+def segment_slots(index_S: torch.Tensor, num_dest: int, max_per_dest: int) -> torch.Tensor:
+    """[num_dest, M] table: row d lists, in source order, the sources s with index_S[s] == d,
+    then S (a zero row). `max_per_dest` (M) must bound the sources per destination (a larger
+    count raises an index error). A stable sort and a binary search: no host sync, no atomics."""
+    num_src, device = index_S.numel(), index_S.device
+    sorted_S, order_S = torch.sort(index_S, stable=True)
+    start_D = torch.searchsorted(sorted_S, torch.arange(num_dest, device=device,
+                                                        dtype=sorted_S.dtype))
+    rank_S = torch.arange(num_src, device=device) - start_D[sorted_S]
+    slots_DM = torch.full((num_dest, max(max_per_dest, 1)), num_src, dtype=torch.long,
+                          device=device)
+    return slots_DM.index_put_((sorted_S, rank_S), order_S)
+
+
+def _segment_sum(src_SD, slots_DM):
+    """y[d] = sum over j of src[slots[d, j]], added slot by slot (a fixed order: deterministic)."""
+    ext_SD = torch.cat([src_SD, src_SD.new_zeros(1, src_SD.shape[-1])])
+    y_DD = ext_SD.index_select(0, slots_DM[:, 0])
+    for j in range(1, slots_DM.shape[1]):
+        y_DD += ext_SD.index_select(0, slots_DM[:, j])
+    return y_DD
+
+
+class _SumRows(torch.autograd.Function):
+    """forward: the segment sum (index_add's values); backward: a gather."""
+
+    @staticmethod
+    def forward(ctx, src_SD, index_S, slots_DM):
+        ctx.save_for_backward(index_S)
+        return _segment_sum(src_SD, slots_DM)
+
+    @staticmethod
+    def backward(ctx, grad_DD):
+        (index_S,) = ctx.saved_tensors
+        return grad_DD.index_select(0, index_S), None, None
+
+
+class _GatherRows(torch.autograd.Function):
+    """forward: a gather; backward: the segment sum (where autograd would index_add)."""
+
+    @staticmethod
+    def forward(ctx, x_DD, index_S, slots_DM):
+        ctx.save_for_backward(slots_DM)
+        return x_DD.index_select(0, index_S)
+
+    @staticmethod
+    def backward(ctx, grad_SD):
+        (slots_DM,) = ctx.saved_tensors
+        return _segment_sum(grad_SD, slots_DM), None, None
+
+
+def sum_rows(src_SD, index_S, slots_DM):
+    """zeros(num_dest, D).index_add(0, index_S, src_SD), deterministically on every device;
+    `slots_DM = segment_slots(index_S, num_dest, M)`."""
+    return _SumRows.apply(src_SD, index_S, slots_DM)
+
+
+def gather_rows(x_DD, index_S, slots_DM):
+    """x_DD[index_S], whose gradient is summed by `slots_DM` (see sum_rows), not by index_add."""
+    return _GatherRows.apply(x_DD, index_S, slots_DM)
+
+
 def gather_sorted(x_TD, routing: Routing, order_N, rows_per_expert: list[int], counts_E):
     """The rows of x for the kept assignments in `order_N`, and the plan to combine them back.
     `rows_per_expert` is the host copy of the device `counts_E`."""
     num_rows = sum(rows_per_expert)
     kept_R = order_N[:num_rows]
     token_R = routing.token_N[kept_R]
-    slot_to_row_N = None
+    slot_to_row_N = rows_of_token_TM = None
     if routing.top_k is not None:
         slot_to_row_N = torch.empty_like(order_N)
         slot_to_row_N[order_N] = torch.arange(order_N.numel(), device=order_N.device).clamp_(
             max=num_rows)
         x_RD = _GatherTokens.apply(x_TD, token_R, slot_to_row_N, routing.top_k)
     else:
-        x_RD = x_TD.index_select(0, token_R)
+        # A token meets each expert at most once: as many rows as experts bound its copies.
+        rows_of_token_TM = segment_slots(token_R, x_TD.shape[0], counts_E.numel())
+        x_RD = gather_rows(x_TD, token_R, rows_of_token_TM)
     plan = LocalPlan(kept_R, token_R, rows_per_expert, group_offsets(counts_E), x_TD.shape[0],
-                     routing.weight_N, routing.top_k, slot_to_row_N)
+                     routing.weight_N, routing.top_k, slot_to_row_N, rows_of_token_TM)
     return x_RD, plan
 
 
@@ -186,6 +255,6 @@ def combine_sorted(y_RD: torch.Tensor, plan: LocalPlan) -> torch.Tensor:
     if plan.top_k is not None:
         return _CombineSlots.apply(y_RD, plan.weight_N, plan.slot_to_row_N, plan.kept_R,
                                    plan.token_R, plan.num_tokens)
-    weighted_RD = y_RD * plan.weight_N[plan.kept_R].unsqueeze(-1)
-    y_TD = weighted_RD.new_zeros(plan.num_tokens, y_RD.shape[-1])
-    return y_TD.index_add(0, plan.token_R, weighted_RD)
+    dtype = torch.promote_types(y_RD.dtype, plan.weight_N.dtype)
+    weighted_RD = y_RD.to(dtype) * plan.weight_N.index_select(0, plan.kept_R).to(dtype).unsqueeze(-1)
+    return sum_rows(weighted_RD, plan.token_R, plan.rows_of_token_TM)

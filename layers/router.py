@@ -121,13 +121,15 @@ def capacity(num_tokens: int, top_k: int, capacity_factor: float, num_experts: i
     return math.ceil(Fraction(num_tokens * top_k) * factor / num_experts)
 
 
-def expert_counts(experts, num_experts: int):
-    """Copies per expert (int64, [E]) by a scatter-add of static size: no host sync, unlike
-    `torch.bincount`, which reads the largest id on the host (two syncs on CUDA). Integer adds
-    commute, so the counts are the same whatever the order of the GPU's atomics."""
-    flat = experts.flatten()
-    counts_E = torch.zeros(num_experts, dtype=torch.long, device=flat.device)
-    return counts_E.scatter_add_(0, flat, torch.ones_like(flat))
+def expert_counts(experts, num_experts: int, per_row: bool = False):
+    """Copies per expert (int64, [E]; [B, E] per row of dim 0 with `per_row`) by a scatter-add of
+    static size: no host sync, unlike `torch.bincount`, which reads the largest id on the host
+    (two syncs on CUDA). Integer adds commute, so the counts are exact whatever the order of the
+    GPU's atomics (float counts would be too, below 2^24, but integers need no argument)."""
+    ids_BN = experts.reshape(experts.shape[0] if per_row else 1, -1)
+    counts_BE = torch.zeros(ids_BN.shape[0], num_experts, dtype=torch.long, device=ids_BN.device)
+    counts_BE.scatter_add_(1, ids_BN, torch.ones_like(ids_BN))
+    return counts_BE if per_row else counts_BE[0]
 
 
 def switch_balance_loss(probs_TE, experts_TK, counts_E=None):
@@ -146,9 +148,7 @@ def switch_balance_loss(probs_TE, experts_TK, counts_E=None):
 def sequence_balance_loss(probs_BSE, experts_BSK):
     """The Switch loss computed within each sequence and averaged over sequences."""
     num_seqs, seq_len, num_experts = probs_BSE.shape
-    counts_BE = torch.zeros(num_seqs, num_experts, dtype=probs_BSE.dtype, device=probs_BSE.device)
-    counts_BE.scatter_add_(1, experts_BSK.reshape(num_seqs, -1),
-                           torch.ones_like(experts_BSK.reshape(num_seqs, -1), dtype=probs_BSE.dtype))
+    counts_BE = expert_counts(experts_BSK, num_experts, per_row=True).to(probs_BSE.dtype)
     f_BE = counts_BE / experts_BSK[0].numel()
     return num_experts * torch.sum(f_BE * probs_BSE.mean(1), dim=1).mean()
 
@@ -289,9 +289,8 @@ class TopKRouter(_RouterBase):
         each slice's tokens get exactly their share of the whole loss's gradient."""
         num_tokens, num_experts = probs_TE.shape
         batch, k = num_tokens // seq_len, self.top_k
-        counts_BE = torch.zeros(batch, num_experts, dtype=probs_TE.dtype, device=probs_TE.device)
-        counts_BE.scatter_add_(1, experts_TK.reshape(batch, -1),
-                               torch.ones_like(experts_TK.reshape(batch, -1), dtype=probs_TE.dtype))
+        counts_BE = expert_counts(experts_TK.reshape(batch, -1), num_experts,
+                                  per_row=True).to(probs_TE.dtype)
         parts = [counts_BE.sum(0), probs_TE.sum(0), counts_BE.flatten(),
                  probs_TE.view(batch, seq_len, num_experts).sum(1).flatten(),
                  torch.logsumexp(logits_TE, dim=-1).square().sum().reshape(1).to(probs_TE.dtype)]

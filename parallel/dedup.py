@@ -24,8 +24,8 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from moepar.layers.dispatch import (counts_to_host, group_offsets, inverse_permutation,
-                                    permute_rows, sort_by_expert)
+from moepar.layers.dispatch import (counts_to_host, gather_rows, group_offsets, segment_slots,
+                                    sort_by_expert, sum_rows)
 from moepar.layers.router import Routing, expert_counts
 
 from .comm import all_to_all, group_size, to_wire
@@ -37,13 +37,13 @@ __all__ = ["DedupAllToAllDispatcher", "DedupPlan"]
 @dataclass(frozen=True)
 class DedupPlan:
     pair_token_Q: torch.Tensor     # source token of each pair row sent
+    pairs_of_token_TM: torch.Tensor  # each token's pair rows (segment_slots): the final sum
     num_tokens: int
     send_rows: list[int]           # pair rows to each rank
     recv_rows: list[int]           # pair rows from each rank
-    row_of_assign: torch.Tensor    # received row each received assignment reads (arrival order)
-    weight_A: torch.Tensor         # received weights, arrival order
-    order_A: torch.Tensor          # arrival -> expert-major
-    inverse_A: torch.Tensor
+    row_A: torch.Tensor            # received row each assignment reads, assignments expert-major
+    assigns_of_row_QM: torch.Tensor  # each received row's assignments (segment_slots)
+    weight_A: torch.Tensor         # received weights, expert-major
     rows_per_expert: list[int]     # assignments per local expert (the grouped GEMM's groups)
     offs_E: torch.Tensor           # their int32 cumulative sum, on the device
 
@@ -93,8 +93,12 @@ class DedupAllToAllDispatcher:
 
         # Source side: one row per (rank, token) pair; per assignment its row and local expert.
         pair_token_Q = torch.remainder(pair_key[:num_pairs], num_tokens)
-        x_recv = all_to_all(to_wire(x_TD.index_select(0, pair_token_Q)), recv_rows, send_rows,
-                            self.group)
+        # Sums over a token's copies run slot by slot (deterministic, see segment_slots): a token
+        # has at most one pair per rank and one assignment per expert, and at most K of each.
+        k = routing.top_k or self.num_experts
+        pairs_of_token_TM = segment_slots(pair_token_Q, num_tokens, min(k, P))
+        x_recv = all_to_all(to_wire(gather_rows(x_TD, pair_token_Q, pairs_of_token_TM)),
+                            recv_rows, send_rows, self.group)
         assign = order_N[:num_assign]
         assign_dest = dest_N[assign]
         pair_start = torch.cumsum(pairs_per_dest, 0) - pairs_per_dest
@@ -112,22 +116,21 @@ class DedupAllToAllDispatcher:
         row_of_assign = meta_recv[:, 0] + (torch.cumsum(recv_rows_t, 0) - recv_rows_t)[src_of_assign]
         order_A, counts_El = sort_by_expert(meta_recv[:, 1], El)
         rows_per_expert = [sum(recv_h[s][1 + e] for s in range(P)) for e in range(El)]
-        x_RD = x_recv.index_select(0, row_of_assign[order_A])
-        plan = DedupPlan(pair_token_Q, num_tokens, send_rows, recv_rows, row_of_assign,
-                         weight_recv, order_A, inverse_permutation(order_A), rows_per_expert,
+        row_A = row_of_assign.index_select(0, order_A)
+        assigns_of_row_QM = segment_slots(row_A, sum(recv_rows), min(k, El))
+        x_RD = gather_rows(x_recv, row_A, assigns_of_row_QM)
+        plan = DedupPlan(pair_token_Q, pairs_of_token_TM, num_tokens, send_rows, recv_rows, row_A,
+                         assigns_of_row_QM, weight_recv.index_select(0, order_A), rows_per_expert,
                          group_offsets(counts_El))
         return x_RD, plan
 
     def combine(self, y_RD: torch.Tensor, plan: DedupPlan) -> torch.Tensor:
         dtype = torch.promote_types(y_RD.dtype, plan.weight_A.dtype)
-        y_arrival = permute_rows(y_RD, plan.inverse_A, plan.order_A)
-        weighted = y_arrival.to(dtype) * plan.weight_A.to(dtype).unsqueeze(1)
-        y_rows = weighted.new_zeros(sum(plan.recv_rows), y_RD.shape[-1]).index_add(
-            0, plan.row_of_assign, weighted)
+        weighted = y_RD.to(dtype) * plan.weight_A.to(dtype).unsqueeze(1)
+        y_rows = sum_rows(weighted, plan.row_A, plan.assigns_of_row_QM)
         if self.debug:
             check_splits(plan.recv_rows, plan.send_rows, self.group,
                          f"MoE layer {self.layer_id} combine (dedup rows)", y_RD.device)
         # Partial sums travel in the experts' dtype (bf16 under autocast), summed in fp32 after.
         y_pairs = all_to_all(y_rows.to(y_RD.dtype), plan.send_rows, plan.recv_rows, self.group)
-        y_TD = y_pairs.new_zeros(plan.num_tokens, y_RD.shape[-1], dtype=dtype)
-        return y_TD.index_add(0, plan.pair_token_Q, y_pairs.to(dtype))
+        return sum_rows(y_pairs.to(dtype), plan.pair_token_Q, plan.pairs_of_token_TM)

@@ -201,3 +201,28 @@ def case_sync_budget(ep: int, dispatcher: str, dedup: bool, capacity_factor):
 def test_sync_budget(worlds, kind, capacity_factor):
     for fwd, bwd, report in worlds(2).run(case_sync_budget, 2, kind[0], kind[1], capacity_factor):
         assert (fwd, bwd) == (1, 0), report
+
+
+def case_no_float_atomics(ep: int, dispatcher: str, dedup: bool, router: dict):
+    """No float accumulation whose rounding depends on the order of GPU atomics, forward and
+    backward (tests/atomics.py); returns the offending ops."""
+    from atomics import FloatAtomics
+    rank, dims, meshes = setup(ep)
+    torch.manual_seed(0)
+    moe = apply_ep(MoE(DIM, FFN, E, K, num_shared_experts=1, aux_loss_scale=1.0, **router).double(),
+                   dims, meshes, rank, dispatcher, dedup)
+    x = torch.randn(2, T, DIM, dtype=torch.float64, generator=torch.Generator().manual_seed(rank),
+                    requires_grad=True)
+    with FloatAtomics() as atomics:
+        moe(x).y.square().sum().backward()
+    return atomics.ops
+
+
+ATOMIC_ROUTERS = {"dropless": {}, "capacity": dict(capacity_factor=1.0),
+                  "expert_choice": dict(type="expert_choice", capacity_factor=1.5)}
+
+
+@pytest.mark.parametrize("router", ATOMIC_ROUTERS.values(), ids=ATOMIC_ROUTERS.keys())
+@pytest.mark.parametrize("kind", KINDS, ids=lambda k: k[0] + ("-dedup" if k[1] else ""))
+def test_no_order_dependent_float_accumulation(worlds, kind, router):
+    assert worlds(2).run(case_no_float_atomics, 2, kind[0], kind[1], router) == [[], []]
