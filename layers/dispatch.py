@@ -99,57 +99,73 @@ def inverse_permutation(index):
 
 
 class _GatherTokens(torch.autograd.Function):
-    """x_RD = x_TD[kept_R // K]. Backward: un-sort by the inverse permutation (a gather), then
-    sum each token's K slots; dropped slots read the zero row R."""
+    """x_RD = x_TD[kept_R // K]. Backward: each token sums the gradients of its K rows (a gather
+    per slot; dropped slots read a zero row): no scatter."""
 
     @staticmethod
     def forward(ctx, x_TD, token_R, slot_to_row_N, top_k: int):
         ctx.save_for_backward(slot_to_row_N)
-        ctx.top_k, ctx.num_tokens = top_k, x_TD.shape[0]
+        ctx.num_tokens = x_TD.shape[0]
         return x_TD.index_select(0, token_R)
 
     @staticmethod
     def backward(ctx, grad_RD):
         (slot_to_row_N,) = ctx.saved_tensors
-        grad_ND = _unsort(grad_RD, slot_to_row_N)
-        return grad_ND.view(ctx.num_tokens, ctx.top_k, -1).sum(1), None, None, None
+        return _segment_sum(grad_RD, slot_to_row_N.view(ctx.num_tokens, -1)), None, None, None
 
 
 class _CombineSlots(torch.autograd.Function):
-    """y_TD = sum_k w_TK * y_TKD, with y_TKD the rows un-sorted into slots (dropped slots zero).
-    Backward: grad of row r = w_r * g[token_r] (a gather, scaled in place); grad of w_TK =
-    y_TKD . g_TD (a batched product). No scatter."""
+    """y_TD = sum_k w_TK * y_RD[slot_TK] (dropped slots zero), one gather and one fused
+    multiply-add per slot. Backward: grad of row r = w_r * g[token_r] (a gather, scaled in
+    place); grad of w_r = y_r . g[token_r] (a row-wise dot on the same gather). No scatter."""
 
     @staticmethod
     def forward(ctx, y_RD, weight_N, slot_to_row_N, kept_R, token_R, num_tokens: int):
         dtype = torch.promote_types(y_RD.dtype, weight_N.dtype)
-        y_TKD = _unsort(y_RD.to(dtype), slot_to_row_N).view(num_tokens, -1, y_RD.shape[-1])
         w_TK = weight_N.to(dtype).view(num_tokens, -1)
-        ctx.save_for_backward(y_TKD, w_TK, kept_R, token_R)
-        ctx.y_dtype = y_RD.dtype
-        # bmm into a fresh [T, D] (not a view of a temporary), so callers may modify it in place.
-        y_TD = y_TKD.new_empty(num_tokens, y_TKD.shape[-1])
-        torch.bmm(w_TK.unsqueeze(1), y_TKD, out=y_TD.unsqueeze(1))
-        return y_TD
+        ctx.save_for_backward(y_RD, weight_N.to(dtype).index_select(0, kept_R), slot_to_row_N,
+                              token_R)
+        ctx.dtype = dtype
+        return _segment_sum(y_RD, slot_to_row_N.view(num_tokens, -1), w_TK)
 
     @staticmethod
     def backward(ctx, grad_TD):
-        y_TKD, w_TK, kept_R, token_R = ctx.saved_tensors
-        grad_TD = grad_TD.to(y_TKD.dtype)
+        y_RD, w_R, slot_to_row_N, token_R = ctx.saved_tensors
+        g_RD = grad_TD.to(ctx.dtype).index_select(0, token_R)
         grad_y = grad_w = None
-        if ctx.needs_input_grad[0]:
-            grad_y = grad_TD.index_select(0, token_R)
-            grad_y = grad_y.mul_(w_TK.flatten().index_select(0, kept_R).unsqueeze(-1)).to(ctx.y_dtype)
         if ctx.needs_input_grad[1]:
-            grad_w = torch.bmm(y_TKD, grad_TD.unsqueeze(-1)).flatten()
+            grad_w_R = torch.linalg.vecdot(y_RD.to(ctx.dtype), g_RD)
+            grad_w = _slot_values(grad_w_R, slot_to_row_N)
+        if ctx.needs_input_grad[0]:
+            grad_y = g_RD.mul_(w_R.unsqueeze(-1)).to(y_RD.dtype)
         return grad_y, grad_w, None, None, None, None
 
 
-def _unsort(rows_RD, slot_to_row_N):
-    """rows in slot order; slots whose row index is R (dropped) read a zero row."""
-    if slot_to_row_N.numel() and rows_RD.shape[0] < slot_to_row_N.shape[0]:
-        rows_RD = torch.cat([rows_RD, rows_RD.new_zeros(1, rows_RD.shape[-1])])
-    return rows_RD.index_select(0, slot_to_row_N)
+def _slot_values(value_R, slot_to_row_N):
+    """Per-row values put back in slot order; dropped slots (row R) get zero."""
+    if slot_to_row_N.numel() > value_R.numel():
+        value_R = torch.cat([value_R, value_R.new_zeros(1)])
+    return value_R.index_select(0, slot_to_row_N)
+
+
+def _segment_sum(src_SD, slots_DM, weight_DM=None):
+    """y[d] = sum over j of (weight[d, j] *) src[slots[d, j]], where slot S reads a zero row:
+    one gather and one add per column j, in column order (deterministic, no scatter). The
+    result has the promoted dtype of src and weight, and is a fresh tensor (safe in place)."""
+    if slots_DM.numel() > src_SD.shape[0]:
+        # Some slots are empty (drops, or tokens with fewer copies than the bound).
+        src_SD = torch.cat([src_SD, src_SD.new_zeros(1, src_SD.shape[-1])])
+    y_DD = src_SD.index_select(0, slots_DM[:, 0])
+    if weight_DM is not None:   # in place when no promotion (the gather is a fresh tensor)
+        w_D1 = weight_DM[:, :1]
+        y_DD = y_DD.mul_(w_D1) if y_DD.dtype == w_D1.dtype else y_DD * w_D1
+    for j in range(1, slots_DM.shape[1]):
+        part_DD = src_SD.index_select(0, slots_DM[:, j])
+        if weight_DM is None:
+            y_DD += part_DD
+        else:
+            y_DD.addcmul_(part_DD, weight_DM[:, j:j + 1])
+    return y_DD
 
 
 def segment_slots(index_S: torch.Tensor, num_dest: int, max_per_dest: int) -> torch.Tensor:
@@ -164,15 +180,6 @@ def segment_slots(index_S: torch.Tensor, num_dest: int, max_per_dest: int) -> to
     slots_DM = torch.full((num_dest, max(max_per_dest, 1)), num_src, dtype=torch.long,
                           device=device)
     return slots_DM.index_put_((sorted_S, rank_S), order_S)
-
-
-def _segment_sum(src_SD, slots_DM):
-    """y[d] = sum over j of src[slots[d, j]], added slot by slot (a fixed order: deterministic)."""
-    ext_SD = torch.cat([src_SD, src_SD.new_zeros(1, src_SD.shape[-1])])
-    y_DD = ext_SD.index_select(0, slots_DM[:, 0])
-    for j in range(1, slots_DM.shape[1]):
-        y_DD += ext_SD.index_select(0, slots_DM[:, j])
-    return y_DD
 
 
 class _SumRows(torch.autograd.Function):

@@ -21,7 +21,8 @@ ACTIVATIONS = ("swiglu", "gelu")
 class _SwiGLU(torch.autograd.Function):
     """silu(gate) * up for h = [gate | up]. Backward writes both halves of one [R, 2F] gradient
     in place, instead of autograd's two half-size gradients joined by a cat (a full extra copy of
-    the largest activation in the layer)."""
+    the largest activation in the layer), and allocates nothing else: grad * up is formed in the
+    gate half and turned into the gate gradient there."""
 
     @staticmethod
     def forward(ctx, h):
@@ -37,8 +38,10 @@ class _SwiGLU(torch.autograd.Function):
         grad_h = torch.empty_like(h)
         grad_gate, grad_up = grad_h.chunk(2, dim=-1)
         torch.mul(grad_out, silu_gate, out=grad_up)
-        # The ATen op autograd itself uses for silu, in its out= form (writes into the half).
-        torch.ops.aten.silu_backward.grad_input(grad_out * up, gate, grad_input=grad_gate)
+        torch.mul(grad_out, up, out=grad_gate)
+        # The ATen op autograd itself uses for silu, in its out= form, in place on the half
+        # (an elementwise op may write over its own input).
+        torch.ops.aten.silu_backward.grad_input(grad_gate, gate, grad_input=grad_gate)
         return grad_h
 
 

@@ -158,6 +158,14 @@ def z_loss(logits_TE):
     return torch.logsumexp(logits_TE, dim=-1).square().mean()
 
 
+def _logged_unless(coeff: float, loss_fn, *args):
+    """loss_fn(*args), with autograd only when `coeff` makes it part of the trained total."""
+    if coeff:
+        return loss_fn(*args)
+    with torch.no_grad():
+        return loss_fn(*args)
+
+
 class _RouterBase(nn.Module):
     def __init__(self, dim: int, num_experts: int, top_k: int, cfg: RouterConfig):
         super().__init__()
@@ -218,7 +226,8 @@ class TopKRouter(_RouterBase):
         weights_TK = scores_TE.gather(1, experts_TK)
         if cfg.norm_topk_prob:
             weights_TK = weights_TK / (weights_TK.sum(-1, keepdim=True) + 1e-20)
-        weights_TK = weights_TK * cfg.routed_scaling_factor
+        if cfg.routed_scaling_factor != 1.0:
+            weights_TK = weights_TK * cfg.routed_scaling_factor
 
         # Balance losses see a distribution over experts; sigmoid scores are normalised for them.
         probs_TE = scores_TE if cfg.score_func == "softmax" else scores_TE / (
@@ -227,14 +236,23 @@ class TopKRouter(_RouterBase):
         group = self.token_group
         counts_E = expert_counts(experts_TK, self.num_experts)   # the loss's and the stats'
         if group is None:
-            balance = switch_balance_loss(probs_TE, experts_TK, counts_E)
-            seq_balance = sequence_balance_loss(probs_TE.view(-1, seq_len, self.num_experts),
-                                                experts_TK.view(-1, seq_len, self.top_k))
-            z = z_loss(logits_TE)
+            # A loss whose coefficient is zero is only logged: no graph, no backward through it.
+            balance = _logged_unless(cfg.balance_coeff, switch_balance_loss, probs_TE,
+                                     experts_TK, counts_E)
+            if seq_len == num_tokens and not cfg.seq_balance_coeff:
+                seq_balance = balance   # one sequence, only logged: the same loss
+            else:
+                seq_balance = _logged_unless(cfg.seq_balance_coeff, sequence_balance_loss,
+                                             probs_TE.view(-1, seq_len, self.num_experts),
+                                             experts_TK.view(-1, seq_len, self.top_k))
+            z = _logged_unless(cfg.z_coeff, z_loss, logits_TE)
         else:
             balance, seq_balance, z = self._group_losses(probs_TE, experts_TK, logits_TE,
                                                          seq_len, group)
-        total = cfg.balance_coeff * balance + cfg.seq_balance_coeff * seq_balance + cfg.z_coeff * z
+        terms = [c * loss for c, loss in ((cfg.balance_coeff, balance),
+                                          (cfg.seq_balance_coeff, seq_balance),
+                                          (cfg.z_coeff, z)) if c]
+        total = sum(terms[1:], terms[0]) if terms else balance.detach() * 0.0
         losses = RouterLosses(total, balance.detach(), seq_balance.detach(), z.detach())
 
         expert_N = experts_TK.flatten()
@@ -323,9 +341,10 @@ class ExpertChoiceRouter(_RouterBase):
         cap = min(num_tokens, capacity(num_tokens, self.top_k, self.cfg.capacity_factor,
                                        self.num_experts))
         weight_EC, token_EC = scores_TE.t().topk(cap, dim=-1)
-        z = z_loss(logits_TE)
+        z = _logged_unless(self.cfg.z_coeff, z_loss, logits_TE)
         zero = z.new_zeros(())
-        losses = RouterLosses(self.cfg.z_coeff * z, zero, zero, z.detach())
+        losses = RouterLosses(self.cfg.z_coeff * z if self.cfg.z_coeff else zero, zero, zero,
+                              z.detach())
         expert_N = torch.arange(self.num_experts, device=x_TD.device).repeat_interleave(cap)
         # index_fill_ takes the value as a scalar; `chosen_T[idx] = True` copies it from the host.
         chosen_T = torch.zeros(num_tokens, dtype=torch.bool, device=x_TD.device).index_fill_(

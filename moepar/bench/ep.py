@@ -19,6 +19,7 @@ import time
 import torch
 import torch.distributed as dist
 
+from moepar.bench.moe_layer import PlainSwiGLU, paired_ratio
 from moepar.layers import FeedForward, MoE
 from moepar.parallel.dims import ParallelDims
 from moepar.parallel.expert import apply_ep
@@ -126,16 +127,18 @@ def bench_moe_layer_ep(args, dtype) -> dict:
     rank, dims, meshes = _setup(args.ep, args.experts)
     moe = _moe(args, dtype, rank, dims, meshes)
     ideal = FeedForward(args.dim, args.ffn_dim).to(dtype)
+    plain = PlainSwiGLU(args.dim, args.top_k * args.ffn_dim).to(dtype)
     gen = torch.Generator().manual_seed(1000 + rank)
     x = torch.randn(args.tokens, args.dim, dtype=dtype, generator=gen, requires_grad=True)
-    grad = torch.randn(args.tokens, args.dim, dtype=dtype, generator=gen)
     rows = torch.randn(args.tokens * args.top_k, args.dim, dtype=dtype, generator=gen, requires_grad=True)
-    grad_rows = torch.randn(args.tokens * args.top_k, args.dim, dtype=dtype, generator=gen)
-    cases = {"moe": lambda: moe(x).y.backward(grad), "ideal": lambda: ideal(rows).backward(grad_rows)}
+    cases = {"moe": lambda: moe(x).y.pow(2).mean().backward(),
+             "plain": lambda: plain(x).pow(2).mean().backward(),
+             "ideal": lambda: ideal(rows).pow(2).mean().backward()}
+    leaves = [*moe.parameters(), *ideal.parameters(), *plain.parameters(), x, rows]
     times = {name: [] for name in cases}
     for rep in range(args.warmup + args.repeats):
         for name, fn in cases.items():
-            for p in list(moe.parameters()) + list(ideal.parameters()) + [x, rows]:
+            for p in leaves:
                 p.grad = None
             dist.barrier()
             start = time.perf_counter()
@@ -145,11 +148,14 @@ def bench_moe_layer_ep(args, dtype) -> dict:
             if rep >= args.warmup:
                 times[name].append(float(elapsed) * 1000)
     med = {name: statistics.median(ts) for name, ts in times.items()}
-    paired = statistics.median(m / i for m, i in zip(times["moe"], times["ideal"]))
     return {"ep": args.ep, "tokens_per_rank": args.tokens, "dim": args.dim, "ffn_dim": args.ffn_dim,
             "experts": args.experts, "top_k": args.top_k, "dtype": args.dtype, "threads_per_rank": 1,
-            "repeats": args.repeats, "moe_ms": med["moe"], "ideal_ms": med["ideal"],
-            "ratio_vs_ideal": med["moe"] / med["ideal"], "paired_ratio_vs_ideal": paired}
+            "repeats": args.repeats, "malloc_tuning": os.environ.get("MOEPAR_MALLOC_TUNING", "1") != "0",
+            "moe_ms": med["moe"], "plain_ms": med["plain"], "ideal_ms": med["ideal"],
+            "ratio_vs_plain": med["moe"] / med["plain"],
+            "paired_ratio_vs_plain": paired_ratio(times, "moe", "plain"),
+            "ratio_vs_ideal": med["moe"] / med["ideal"],
+            "paired_ratio_vs_ideal": paired_ratio(times, "moe", "ideal")}
 
 
 def worker_main(args, dtype) -> dict:
