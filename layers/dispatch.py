@@ -19,6 +19,7 @@ the rows are summed slot by slot in that fixed order. No float `index_add` (atom
 whose order changes from run to run), so results are bit-reproducible on CUDA too.
 """
 
+import dataclasses
 from dataclasses import dataclass
 
 import torch
@@ -255,6 +256,19 @@ class LocalDispatcher:
 
     def combine(self, y_RD: torch.Tensor, plan: LocalPlan) -> torch.Tensor:
         return combine_sorted(y_RD, plan)
+
+    # The MoE layer's two phases (every dispatcher has them): `start` sends the rows (an EP
+    # dispatcher issues its collectives here and returns while they are in flight), `finish`
+    # runs the experts and combines with `weight_N`, which may differ from routing.weight_N
+    # (the aux-loss injection rides on it, computed while the dispatch is in flight).
+
+    def start(self, x_TD: torch.Tensor, routing: Routing):
+        return self.dispatch(x_TD, routing)
+
+    def finish(self, started, experts, weight_N: torch.Tensor) -> torch.Tensor:
+        x_RD, plan = started
+        y_RD = experts(x_RD, plan.rows_per_expert, plan.offs_E)
+        return combine_sorted(y_RD, dataclasses.replace(plan, weight_N=weight_N))
 
 
 def combine_sorted(y_RD: torch.Tensor, plan: LocalPlan) -> torch.Tensor:

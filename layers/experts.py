@@ -13,7 +13,7 @@ from torch import nn
 
 from .grouped_mm import grouped_mm
 
-__all__ = ["ACTIVATIONS", "GroupedExperts", "FeedForward", "SharedExperts"]
+__all__ = ["ACTIVATIONS", "GroupedExperts", "FeedForward", "SharedExperts", "expert_ffn"]
 
 ACTIVATIONS = ("swiglu", "gelu")
 
@@ -73,13 +73,29 @@ class GroupedExperts(nn.Module):
         nn.init.normal_(self.w_in_EDH, std=init_std)
         nn.init.normal_(self.w_out_EFD, std=out_init_std or init_std)
 
-    def forward(self, x_RD, rows_per_expert: list[int], offs_E: torch.Tensor | None = None):
+    def forward(self, x_RD, rows_per_expert: list[int] | None = None,
+                offs_E: torch.Tensor | None = None):
         """`offs_E`: the int32 cumulative rows per expert on the device, as the dispatchers' plans
-        carry it; built from the host list (a host-to-device copy) only when not given."""
+        carry it; built from the host list (a host-to-device copy) only when not given.
+
+        `x_RD` may instead be a pipeline: a callable of (w_in_EDH, w_out_EFD, activation) that
+        runs the experts itself, block by block between its all-to-alls (the all-to-all
+        dispatcher's overlap). It runs inside this call so module hooks (FSDP's unshard and
+        reshard) see the experts called once, as on the synchronous path.
+        """
+        if callable(x_RD) and not isinstance(x_RD, torch.Tensor):
+            return x_RD(self.w_in_EDH, self.w_out_EFD, self.activation)
         if offs_E is None:
             offs_E = torch.tensor(rows_per_expert, device=x_RD.device).cumsum(0).to(torch.int32)
-        h_RH = grouped_mm(x_RD, self.w_in_EDH, rows_per_expert, offs_E)
-        return grouped_mm(_activate(h_RH, self.activation), self.w_out_EFD, rows_per_expert, offs_E)
+        return expert_ffn(x_RD, rows_per_expert, offs_E, self.w_in_EDH, self.w_out_EFD,
+                          self.activation)
+
+
+def expert_ffn(x_RD, rows_per_expert: list[int], offs_E, w_in_EDH, w_out_EFD, activation: str):
+    """The experts' maths on rows grouped by expert, for any block of experts' weights (the
+    all-to-all pipeline runs a block of local experts per chunk)."""
+    h_RH = grouped_mm(x_RD, w_in_EDH, rows_per_expert, offs_E)
+    return grouped_mm(_activate(h_RH, activation), w_out_EFD, rows_per_expert, offs_E)
 
 
 class FeedForward(nn.Module):

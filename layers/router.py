@@ -219,6 +219,15 @@ class TopKRouter(_RouterBase):
 
     def forward(self, x_TD, seq_len: int | None = None):
         """Returns (Routing, RouterLosses, RoutingStats) for one capacity group of T tokens."""
+        routing, finish = self.route(x_TD, seq_len)
+        return (routing, *finish())
+
+    def route(self, x_TD, seq_len: int | None = None):
+        """(Routing, finish): the routing the dispatch needs, and a callable that returns
+        (RouterLosses, RoutingStats). The MoE layer calls `finish` while the dispatch is in
+        flight: nothing the dispatch reads waits for the balance and z losses. With a token
+        group (sequence parallelism) the losses talk on the tp group, so they are computed here,
+        before the dispatch's collectives, and `finish` only returns them."""
         cfg, num_tokens = self.cfg, x_TD.shape[0]
         logits_TE = self.logits(x_TD)
         scores_TE = self.scores(logits_TE)
@@ -228,12 +237,35 @@ class TopKRouter(_RouterBase):
             weights_TK = weights_TK / (weights_TK.sum(-1, keepdim=True) + 1e-20)
         if cfg.routed_scaling_factor != 1.0:
             weights_TK = weights_TK * cfg.routed_scaling_factor
+        seq_len = seq_len or num_tokens
+        group = self.token_group
 
+        expert_N = experts_TK.flatten()
+        weight_N = weights_TK.flatten()
+        if cfg.capacity_factor is not None:
+            group_tokens = num_tokens * (group.size if group is not None else 1)
+            cap = capacity(group_tokens, self.top_k, cfg.capacity_factor, self.num_experts)
+            if group is None:
+                keep_N = self._within_capacity(expert_N, weight_N.detach(), cap)
+            else:
+                keep_N = self._group_within_capacity(expert_N, weight_N.detach(), cap, seq_len, group)
+            expert_N = torch.where(keep_N, expert_N, self.num_experts)
+        token_N = torch.arange(num_tokens, device=x_TD.device).repeat_interleave(self.top_k)
+        routing = Routing(token_N, expert_N, weight_N, self.top_k)
+
+        def finish():
+            return self._losses(logits_TE, scores_TE, experts_TK, expert_N, seq_len)
+
+        if group is not None:
+            done = finish()
+            return routing, lambda: done
+        return routing, finish
+
+    def _losses(self, logits_TE, scores_TE, experts_TK, expert_N, seq_len: int):
+        cfg, num_tokens, group = self.cfg, logits_TE.shape[0], self.token_group
         # Balance losses see a distribution over experts; sigmoid scores are normalised for them.
         probs_TE = scores_TE if cfg.score_func == "softmax" else scores_TE / (
             scores_TE.sum(-1, keepdim=True) + 1e-20)
-        seq_len = seq_len or num_tokens
-        group = self.token_group
         counts_E = expert_counts(experts_TK, self.num_experts)   # the loss's and the stats'
         if group is None:
             # A loss whose coefficient is zero is only logged: no graph, no backward through it.
@@ -254,21 +286,9 @@ class TopKRouter(_RouterBase):
                                           (cfg.z_coeff, z)) if c]
         total = sum(terms[1:], terms[0]) if terms else balance.detach() * 0.0
         losses = RouterLosses(total, balance.detach(), seq_balance.detach(), z.detach())
-
-        expert_N = experts_TK.flatten()
-        weight_N = weights_TK.flatten()
-        if cfg.capacity_factor is not None:
-            group_tokens = num_tokens * (group.size if group is not None else 1)
-            cap = capacity(group_tokens, self.top_k, cfg.capacity_factor, self.num_experts)
-            if group is None:
-                keep_N = self._within_capacity(expert_N, weight_N.detach(), cap)
-            else:
-                keep_N = self._group_within_capacity(expert_N, weight_N.detach(), cap, seq_len, group)
-            expert_N = torch.where(keep_N, expert_N, self.num_experts)
-        token_N = torch.arange(num_tokens, device=x_TD.device).repeat_interleave(self.top_k)
         stats = RoutingStats(counts_E.to(torch.float32), (expert_N == self.num_experts).sum(),
                              expert_N.numel())
-        return Routing(token_N, expert_N, weight_N, self.top_k), losses, stats
+        return losses, stats
 
     def _within_capacity(self, expert_N, weight_N, cap: int):
         """True for the assignments each expert keeps: its `cap` best by the drop policy."""
@@ -335,23 +355,34 @@ class ExpertChoiceRouter(_RouterBase):
     """
 
     def forward(self, x_TD, seq_len: int | None = None):
+        routing, finish = self.route(x_TD, seq_len)
+        return (routing, *finish())
+
+    def route(self, x_TD, seq_len: int | None = None):
+        """(Routing, finish) as `TopKRouter.route`: the z-loss and the stats come from `finish`."""
         num_tokens = x_TD.shape[0]
         logits_TE = self.logits(x_TD)
         scores_TE = torch.softmax(logits_TE, dim=-1)
         cap = min(num_tokens, capacity(num_tokens, self.top_k, self.cfg.capacity_factor,
                                        self.num_experts))
         weight_EC, token_EC = scores_TE.t().topk(cap, dim=-1)
-        z = _logged_unless(self.cfg.z_coeff, z_loss, logits_TE)
-        zero = z.new_zeros(())
-        losses = RouterLosses(self.cfg.z_coeff * z if self.cfg.z_coeff else zero, zero, zero,
-                              z.detach())
         expert_N = torch.arange(self.num_experts, device=x_TD.device).repeat_interleave(cap)
-        # index_fill_ takes the value as a scalar; `chosen_T[idx] = True` copies it from the host.
-        chosen_T = torch.zeros(num_tokens, dtype=torch.bool, device=x_TD.device).index_fill_(
-            0, token_EC.flatten(), True)
-        stats = RoutingStats(torch.full((self.num_experts,), float(cap), device=x_TD.device),
-                             (~chosen_T).sum(), num_tokens)
-        return Routing(token_EC.flatten(), expert_N, weight_EC.flatten()), losses, stats
+        routing = Routing(token_EC.flatten(), expert_N, weight_EC.flatten())
+
+        def finish():
+            z = _logged_unless(self.cfg.z_coeff, z_loss, logits_TE)
+            zero = z.new_zeros(())
+            losses = RouterLosses(self.cfg.z_coeff * z if self.cfg.z_coeff else zero, zero, zero,
+                                  z.detach())
+            # index_fill_ takes the value as a scalar; `chosen_T[idx] = True` copies it from
+            # the host.
+            chosen_T = torch.zeros(num_tokens, dtype=torch.bool, device=x_TD.device).index_fill_(
+                0, token_EC.flatten(), True)
+            stats = RoutingStats(torch.full((self.num_experts,), float(cap), device=x_TD.device),
+                                 (~chosen_T).sum(), num_tokens)
+            return losses, stats
+
+        return routing, finish
 
 
 def build_router(dim: int, num_experts: int, top_k: int, cfg: RouterConfig) -> nn.Module:

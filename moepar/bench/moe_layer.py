@@ -115,6 +115,7 @@ def print_layer(result: dict, args):
     print(f"  ideal {result['ideal_ms']:9.1f} ms   (T*k rows, FeedForward of hidden ffn)")
     if "naive_ms" in result:
         print(f"  naive {result['naive_ms']:9.1f} ms   ratio vs plain {result['naive_ratio_vs_plain']:.3f}")
-    for key, label in (("a2a_total_ms", "all-to-all total"), ("a2a_exposed_ms", "exposed")):
-        if key in result:
-            print(f"  {label:16s} {result[key]:7.1f} ms")
+    if "a2a_total_ms" in result:
+        print(f"  all-to-all {result['a2a_total_ms']:7.1f} ms total (issue to completion, fwd+bwd, "
+              f"{result['a2a_chunks']} chunk(s)), {result['a2a_exposed_ms']:.1f} ms exposed "
+              f"({100 * result['a2a_exposed_share']:.0f}% of total)")
