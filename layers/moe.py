@@ -2,7 +2,7 @@
 
 Legend: T tokens, D model dim, R rows sent to experts, S sequence length.
 
-    x_TD -> router.route -> routing
+    x_TD -> router(defer_losses=True) -> routing
          -> dispatcher.start(x_TD, routing)                  (EP: all-to-alls in flight)
             | router losses and stats, aux-loss injection, shared experts   (overlap)
          -> dispatcher.finish(started, experts, weight_N) -> y_TD  (+ shared experts)
@@ -98,7 +98,9 @@ class MoE(nn.Module):
             raise ValueError(f"MoE expects [..., {self.dim}], got {tuple(x.shape)}")
         seq_len = x.shape[-2] if x.dim() >= 2 else 1
         x_TD = x.reshape(-1, self.dim)
-        routing, finish_router = self.router.route(x_TD, seq_len=seq_len if x.dim() > 2 else None)
+        # Through the modules' own calls, so their hooks (FSDP unshard) run as usual.
+        routing, finish_router = self.router(x_TD, seq_len=seq_len if x.dim() > 2 else None,
+                                             defer_losses=True)
         started = self.dispatcher.start(x_TD, routing)
         # While the dispatch is in flight (EP): the router's losses and the shared experts.
         losses, stats = finish_router()

@@ -217,17 +217,20 @@ class TopKRouter(_RouterBase):
             choice_TE = choice_TGe.masked_fill(~keep_TG[..., None], float("-inf")).view(num_tokens, -1)
         return choice_TE.topk(self.top_k, dim=-1).indices
 
-    def forward(self, x_TD, seq_len: int | None = None):
-        """Returns (Routing, RouterLosses, RoutingStats) for one capacity group of T tokens."""
-        routing, finish = self.route(x_TD, seq_len)
-        return (routing, *finish())
+    def forward(self, x_TD, seq_len: int | None = None, defer_losses: bool = False):
+        """Returns (Routing, RouterLosses, RoutingStats) for one capacity group of T tokens.
 
-    def route(self, x_TD, seq_len: int | None = None):
-        """(Routing, finish): the routing the dispatch needs, and a callable that returns
-        (RouterLosses, RoutingStats). The MoE layer calls `finish` while the dispatch is in
-        flight: nothing the dispatch reads waits for the balance and z losses. With a token
-        group (sequence parallelism) the losses talk on the tp group, so they are computed here,
-        before the dispatch's collectives, and `finish` only returns them."""
+        With `defer_losses`: (Routing, finish), the routing the dispatch needs and a callable
+        that returns (RouterLosses, RoutingStats). The MoE layer calls `finish` while the
+        dispatch is in flight: nothing the dispatch reads waits for the balance and z losses,
+        and `finish` reads only tensors this call made (no parameter: under FSDP they may be
+        resharded by then). With a token group (sequence parallelism) the losses talk on the tp
+        group, so they are computed here, before the dispatch's collectives.
+        """
+        routing, finish = self._route(x_TD, seq_len)
+        return (routing, finish) if defer_losses else (routing, *finish())
+
+    def _route(self, x_TD, seq_len: int | None = None):
         cfg, num_tokens = self.cfg, x_TD.shape[0]
         logits_TE = self.logits(x_TD)
         scores_TE = self.scores(logits_TE)
@@ -354,12 +357,12 @@ class ExpertChoiceRouter(_RouterBase):
     C = ceil(T*K*cf/E), capped at T. `num_dropped` counts tokens no expert picked.
     """
 
-    def forward(self, x_TD, seq_len: int | None = None):
-        routing, finish = self.route(x_TD, seq_len)
-        return (routing, *finish())
+    def forward(self, x_TD, seq_len: int | None = None, defer_losses: bool = False):
+        """As `TopKRouter.forward`; deferred, the z-loss and the stats come from `finish`."""
+        routing, finish = self._route(x_TD, seq_len)
+        return (routing, finish) if defer_losses else (routing, *finish())
 
-    def route(self, x_TD, seq_len: int | None = None):
-        """(Routing, finish) as `TopKRouter.route`: the z-loss and the stats come from `finish`."""
+    def _route(self, x_TD, seq_len: int | None = None):
         num_tokens = x_TD.shape[0]
         logits_TE = self.logits(x_TD)
         scores_TE = torch.softmax(logits_TE, dim=-1)
