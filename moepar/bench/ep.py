@@ -8,9 +8,9 @@ forward + backward time spent inside all-to-all calls.
 
 `moepar bench moe-layer --ep N`: each rank's EP MoE layer against its dense floors (the plain
 SwiGLU on its own tokens, the ideal FFN on its tokens * k rows), alternately; a repeat costs what
-the slowest rank took. Both benchmarks report the all-to-all time of the layer: `total` sums each
-all-to-all from issue to completion (forward and backward), `exposed` is the time the host
-waited on them (issuing, blocking, waiting): what the overlap did not hide.
+the slowest rank took. Both benchmarks report the all-to-all time of the layer: `total` is the time
+at least one all-to-all was in flight (forward and backward), `exposed` the time the host spent
+on them (issuing, blocking, waiting): what the overlap did not hide.
 """
 
 import contextlib
@@ -227,5 +227,6 @@ def print_dispatch(result: dict):
                    f"{100 * c['comm_share']:7.0f}%")
         print(f"  {name:16s} {c['ms']:8.1f} {c['bytes_per_token_hidden']:12.0f} {c['vs_minimum']:7.3f} "
               f"{c['bytes_per_token_all']:10.0f} {a2a}")
-    print("  a2a total: each all-to-all from issue to completion, summed (forward + backward); "
-          "exposed: the time the host waited on them")
+    print("  a2a total: time with an all-to-all in flight (forward + backward); exposed: time the "
+          "host spent issuing and waiting on them (it can exceed the total on a loaded machine, "
+          "where the waiting process resumes late)")

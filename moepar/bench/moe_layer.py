@@ -116,6 +116,6 @@ def print_layer(result: dict, args):
     if "naive_ms" in result:
         print(f"  naive {result['naive_ms']:9.1f} ms   ratio vs plain {result['naive_ratio_vs_plain']:.3f}")
     if "a2a_total_ms" in result:
-        print(f"  all-to-all {result['a2a_total_ms']:7.1f} ms total (issue to completion, fwd+bwd, "
+        print(f"  all-to-all {result['a2a_total_ms']:7.1f} ms in flight (fwd+bwd, "
               f"{result['a2a_chunks']} chunk(s)), {result['a2a_exposed_ms']:.1f} ms exposed "
               f"({100 * result['a2a_exposed_share']:.0f}% of total)")
