@@ -6,14 +6,20 @@ E experts, K slots per token (token-choice routing).
 This is the seam between single-device maths and communication: an expert-parallel dispatcher
 (in `moepar.parallel`) has the same two methods. `dispatch` returns a frozen plan that `combine`
 consumes, so nothing lives on `self` between the two (safe under recompute and pipelining).
-The one host sync is `rows_per_expert` (the grouped GEMM needs group sizes on the host).
+The one host sync per layer is `counts_to_host` (the grouped GEMM and the all-to-all need group
+sizes on the host); everything else (counts, offsets, permutations) is built on the device, and
+backward never syncs.
 
 Token-choice routing (every token has K slots, n = t*K + k) moves rows by gathers only, forward
 and backward: the sort is a permutation of the N slots, so its inverse is a gather too, and the
-K copies of a token meet in a dense [T, K, D] sum. Scatter-adds (serial, atomic on GPUs) are
-left to routings without that structure (expert choice), which use `index_add`.
+K copies of a token meet in a dense [T, K, D] sum. Routings without that structure (expert
+choice) and the dedup dispatcher sum rows into tokens with `sum_rows` / `gather_rows`: a stable
+sort builds a [T, M] table of each token's rows (M a static bound on the copies per token), and
+the rows are summed slot by slot in that fixed order. No float `index_add` (atomics on GPUs,
+whose order changes from run to run), so results are bit-reproducible on CUDA too.
 """
 
+import dataclasses
 from dataclasses import dataclass
 
 import torch
@@ -21,7 +27,8 @@ import torch
 from .router import Routing
 
 __all__ = ["LocalPlan", "LocalDispatcher", "sort_by_expert", "gather_sorted", "permute_rows",
-           "inverse_permutation"]
+           "inverse_permutation", "counts_to_host", "group_offsets", "segment_slots", "sum_rows",
+           "gather_rows"]
 
 
 @dataclass(frozen=True)
@@ -29,21 +36,44 @@ class LocalPlan:
     kept_R: torch.Tensor          # assignment (slot) index of each row, rows in expert-major order
     token_R: torch.Tensor         # source token of each row
     rows_per_expert: list[int]    # host copy of the kept rows per expert (the one sync)
+    offs_E: torch.Tensor          # their int32 cumulative sum on the device (grouped GEMM offsets)
     num_tokens: int
     weight_N: torch.Tensor        # combine weight per assignment
     top_k: int | None             # set: slot layout (gather combine); None: scatter combine
     slot_to_row_N: torch.Tensor | None  # inverse of the sort; dropped slots point at row R (zero)
+    rows_of_token_TM: torch.Tensor | None  # scatter layout: each token's rows (segment_slots)
+
+
+def counts_to_host(counts: torch.Tensor) -> list[int]:
+    """The one device-to-host sync of a MoE layer: split sizes the host needs (grouped GEMM
+    groups, all-to-all splits). On CUDA the copy lands in pinned memory and waits on an event
+    for that copy alone, not on a pageable `.tolist()` copy."""
+    if counts.device.type != "cuda":
+        return counts.tolist()
+    host = torch.empty(counts.shape, dtype=counts.dtype, pin_memory=True)
+    host.copy_(counts, non_blocking=True)
+    copied = torch.cuda.Event()
+    copied.record(torch.cuda.current_stream(counts.device))
+    copied.synchronize()
+    return host.tolist()
+
+
+def group_offsets(counts_G: torch.Tensor) -> torch.Tensor:
+    """int32 cumulative row counts on the device: the `offs` of torch._grouped_mm."""
+    return torch.cumsum(counts_G, 0, dtype=torch.int32)
 
 
 def sort_by_expert(expert_N: torch.Tensor, num_experts: int):
     """Stable sort of assignments by expert; returns (order_N, counts_E) on the device, no sync.
 
     Dropped assignments carry expert id E and sort last (and are not counted); a stable sort keeps
-    token order within each expert, so every layout sees the same rows in the same order.
+    token order within each expert, so every layout sees the same rows in the same order. The
+    counts come from a binary search of the sorted ids (no `bincount`, which syncs on CUDA).
     """
     expert_sorted_N, order_N = torch.sort(expert_N, stable=True)
-    counts = torch.bincount(expert_sorted_N, minlength=num_experts + 1)
-    return order_N, counts[:num_experts]
+    bounds = torch.searchsorted(expert_sorted_N, torch.arange(
+        num_experts + 1, device=expert_N.device, dtype=expert_sorted_N.dtype))
+    return order_N, bounds.diff()
 
 
 class _PermuteRows(torch.autograd.Function):
@@ -70,74 +100,146 @@ def inverse_permutation(index):
 
 
 class _GatherTokens(torch.autograd.Function):
-    """x_RD = x_TD[kept_R // K]. Backward: un-sort by the inverse permutation (a gather), then
-    sum each token's K slots; dropped slots read the zero row R."""
+    """x_RD = x_TD[kept_R // K]. Backward: each token sums the gradients of its K rows (a gather
+    per slot; dropped slots read a zero row): no scatter."""
 
     @staticmethod
     def forward(ctx, x_TD, token_R, slot_to_row_N, top_k: int):
         ctx.save_for_backward(slot_to_row_N)
-        ctx.top_k, ctx.num_tokens = top_k, x_TD.shape[0]
+        ctx.num_tokens = x_TD.shape[0]
         return x_TD.index_select(0, token_R)
 
     @staticmethod
     def backward(ctx, grad_RD):
         (slot_to_row_N,) = ctx.saved_tensors
-        grad_ND = _unsort(grad_RD, slot_to_row_N)
-        return grad_ND.view(ctx.num_tokens, ctx.top_k, -1).sum(1), None, None, None
+        return _segment_sum(grad_RD, slot_to_row_N.view(ctx.num_tokens, -1)), None, None, None
 
 
 class _CombineSlots(torch.autograd.Function):
-    """y_TD = sum_k w_TK * y_TKD, with y_TKD the rows un-sorted into slots (dropped slots zero).
-    Backward: grad of row r = w_r * g[token_r] (a gather, scaled in place); grad of w_TK =
-    y_TKD . g_TD (a batched product). No scatter."""
+    """y_TD = sum_k w_TK * y_RD[slot_TK] (dropped slots zero), one gather and one fused
+    multiply-add per slot. Backward: grad of row r = w_r * g[token_r] (a gather, scaled in
+    place); grad of w_r = y_r . g[token_r] (a row-wise dot on the same gather). No scatter."""
 
     @staticmethod
     def forward(ctx, y_RD, weight_N, slot_to_row_N, kept_R, token_R, num_tokens: int):
         dtype = torch.promote_types(y_RD.dtype, weight_N.dtype)
-        y_TKD = _unsort(y_RD.to(dtype), slot_to_row_N).view(num_tokens, -1, y_RD.shape[-1])
         w_TK = weight_N.to(dtype).view(num_tokens, -1)
-        ctx.save_for_backward(y_TKD, w_TK, kept_R, token_R)
-        ctx.y_dtype = y_RD.dtype
-        # bmm into a fresh [T, D] (not a view of a temporary), so callers may modify it in place.
-        y_TD = y_TKD.new_empty(num_tokens, y_TKD.shape[-1])
-        torch.bmm(w_TK.unsqueeze(1), y_TKD, out=y_TD.unsqueeze(1))
-        return y_TD
+        ctx.save_for_backward(y_RD, weight_N.to(dtype).index_select(0, kept_R), slot_to_row_N,
+                              token_R)
+        ctx.dtype = dtype
+        return _segment_sum(y_RD, slot_to_row_N.view(num_tokens, -1), w_TK)
 
     @staticmethod
     def backward(ctx, grad_TD):
-        y_TKD, w_TK, kept_R, token_R = ctx.saved_tensors
-        grad_TD = grad_TD.to(y_TKD.dtype)
+        y_RD, w_R, slot_to_row_N, token_R = ctx.saved_tensors
+        g_RD = grad_TD.to(ctx.dtype).index_select(0, token_R)
         grad_y = grad_w = None
-        if ctx.needs_input_grad[0]:
-            grad_y = grad_TD.index_select(0, token_R)
-            grad_y = grad_y.mul_(w_TK.flatten().index_select(0, kept_R).unsqueeze(-1)).to(ctx.y_dtype)
         if ctx.needs_input_grad[1]:
-            grad_w = torch.bmm(y_TKD, grad_TD.unsqueeze(-1)).flatten()
+            grad_w_R = torch.linalg.vecdot(y_RD.to(ctx.dtype), g_RD)
+            grad_w = _slot_values(grad_w_R, slot_to_row_N)
+        if ctx.needs_input_grad[0]:
+            grad_y = g_RD.mul_(w_R.unsqueeze(-1)).to(y_RD.dtype)
         return grad_y, grad_w, None, None, None, None
 
 
-def _unsort(rows_RD, slot_to_row_N):
-    """rows in slot order; slots whose row index is R (dropped) read a zero row."""
-    if slot_to_row_N.numel() and rows_RD.shape[0] < slot_to_row_N.shape[0]:
-        rows_RD = torch.cat([rows_RD, rows_RD.new_zeros(1, rows_RD.shape[-1])])
-    return rows_RD.index_select(0, slot_to_row_N)
+def _slot_values(value_R, slot_to_row_N):
+    """Per-row values put back in slot order; dropped slots (row R) get zero."""
+    if slot_to_row_N.numel() > value_R.numel():
+        value_R = torch.cat([value_R, value_R.new_zeros(1)])
+    return value_R.index_select(0, slot_to_row_N)
 
 
-def gather_sorted(x_TD, routing: Routing, order_N, rows_per_expert: list[int]):
-    """The rows of x for the kept assignments in `order_N`, and the plan to combine them back."""
+def _segment_sum(src_SD, slots_DM, weight_DM=None):
+    """y[d] = sum over j of (weight[d, j] *) src[slots[d, j]], where slot S reads a zero row:
+    one gather and one add per column j, in column order (deterministic, no scatter). The
+    result has the promoted dtype of src and weight, and is a fresh tensor (safe in place)."""
+    if slots_DM.numel() > src_SD.shape[0]:
+        # Some slots are empty (drops, or tokens with fewer copies than the bound).
+        src_SD = torch.cat([src_SD, src_SD.new_zeros(1, src_SD.shape[-1])])
+    y_DD = src_SD.index_select(0, slots_DM[:, 0])
+    if weight_DM is not None:   # in place when no promotion (the gather is a fresh tensor)
+        w_D1 = weight_DM[:, :1]
+        y_DD = y_DD.mul_(w_D1) if y_DD.dtype == w_D1.dtype else y_DD * w_D1
+    for j in range(1, slots_DM.shape[1]):
+        part_DD = src_SD.index_select(0, slots_DM[:, j])
+        if weight_DM is None:
+            y_DD += part_DD
+        else:
+            y_DD.addcmul_(part_DD, weight_DM[:, j:j + 1])
+    return y_DD
+
+
+def segment_slots(index_S: torch.Tensor, num_dest: int, max_per_dest: int) -> torch.Tensor:
+    """[num_dest, M] table: row d lists, in source order, the sources s with index_S[s] == d,
+    then S (a zero row). `max_per_dest` (M) must bound the sources per destination (a larger
+    count raises an index error). A stable sort and a binary search: no host sync, no atomics."""
+    num_src, device = index_S.numel(), index_S.device
+    sorted_S, order_S = torch.sort(index_S, stable=True)
+    start_D = torch.searchsorted(sorted_S, torch.arange(num_dest, device=device,
+                                                        dtype=sorted_S.dtype))
+    rank_S = torch.arange(num_src, device=device) - start_D[sorted_S]
+    slots_DM = torch.full((num_dest, max(max_per_dest, 1)), num_src, dtype=torch.long,
+                          device=device)
+    return slots_DM.index_put_((sorted_S, rank_S), order_S)
+
+
+class _SumRows(torch.autograd.Function):
+    """forward: the segment sum (index_add's values); backward: a gather."""
+
+    @staticmethod
+    def forward(ctx, src_SD, index_S, slots_DM):
+        ctx.save_for_backward(index_S)
+        return _segment_sum(src_SD, slots_DM)
+
+    @staticmethod
+    def backward(ctx, grad_DD):
+        (index_S,) = ctx.saved_tensors
+        return grad_DD.index_select(0, index_S), None, None
+
+
+class _GatherRows(torch.autograd.Function):
+    """forward: a gather; backward: the segment sum (where autograd would index_add)."""
+
+    @staticmethod
+    def forward(ctx, x_DD, index_S, slots_DM):
+        ctx.save_for_backward(slots_DM)
+        return x_DD.index_select(0, index_S)
+
+    @staticmethod
+    def backward(ctx, grad_SD):
+        (slots_DM,) = ctx.saved_tensors
+        return _segment_sum(grad_SD, slots_DM), None, None
+
+
+def sum_rows(src_SD, index_S, slots_DM):
+    """zeros(num_dest, D).index_add(0, index_S, src_SD), deterministically on every device;
+    `slots_DM = segment_slots(index_S, num_dest, M)`."""
+    return _SumRows.apply(src_SD, index_S, slots_DM)
+
+
+def gather_rows(x_DD, index_S, slots_DM):
+    """x_DD[index_S], whose gradient is summed by `slots_DM` (see sum_rows), not by index_add."""
+    return _GatherRows.apply(x_DD, index_S, slots_DM)
+
+
+def gather_sorted(x_TD, routing: Routing, order_N, rows_per_expert: list[int], counts_E):
+    """The rows of x for the kept assignments in `order_N`, and the plan to combine them back.
+    `rows_per_expert` is the host copy of the device `counts_E`."""
     num_rows = sum(rows_per_expert)
     kept_R = order_N[:num_rows]
     token_R = routing.token_N[kept_R]
-    slot_to_row_N = None
+    slot_to_row_N = rows_of_token_TM = None
     if routing.top_k is not None:
         slot_to_row_N = torch.empty_like(order_N)
         slot_to_row_N[order_N] = torch.arange(order_N.numel(), device=order_N.device).clamp_(
             max=num_rows)
         x_RD = _GatherTokens.apply(x_TD, token_R, slot_to_row_N, routing.top_k)
     else:
-        x_RD = x_TD.index_select(0, token_R)
-    plan = LocalPlan(kept_R, token_R, rows_per_expert, x_TD.shape[0], routing.weight_N,
-                     routing.top_k, slot_to_row_N)
+        # A token meets each expert at most once: as many rows as experts bound its copies.
+        rows_of_token_TM = segment_slots(token_R, x_TD.shape[0], counts_E.numel())
+        x_RD = gather_rows(x_TD, token_R, rows_of_token_TM)
+    plan = LocalPlan(kept_R, token_R, rows_per_expert, group_offsets(counts_E), x_TD.shape[0],
+                     routing.weight_N, routing.top_k, slot_to_row_N, rows_of_token_TM)
     return x_RD, plan
 
 
@@ -150,10 +252,23 @@ class LocalDispatcher:
     def dispatch(self, x_TD: torch.Tensor, routing: Routing):
         """Returns (x_RD rows grouped by expert, plan). Dropped copies (expert == E) are cut off."""
         order_N, counts_E = sort_by_expert(routing.expert_N, self.num_experts)
-        return gather_sorted(x_TD, routing, order_N, counts_E.tolist())
+        return gather_sorted(x_TD, routing, order_N, counts_to_host(counts_E), counts_E)
 
     def combine(self, y_RD: torch.Tensor, plan: LocalPlan) -> torch.Tensor:
         return combine_sorted(y_RD, plan)
+
+    # The MoE layer's two phases (every dispatcher has them): `start` sends the rows (an EP
+    # dispatcher issues its collectives here and returns while they are in flight), `finish`
+    # runs the experts and combines with `weight_N`, which may differ from routing.weight_N
+    # (the aux-loss injection rides on it, computed while the dispatch is in flight).
+
+    def start(self, x_TD: torch.Tensor, routing: Routing):
+        return self.dispatch(x_TD, routing)
+
+    def finish(self, started, experts, weight_N: torch.Tensor) -> torch.Tensor:
+        x_RD, plan = started
+        y_RD = experts(x_RD, plan.rows_per_expert, plan.offs_E)
+        return combine_sorted(y_RD, dataclasses.replace(plan, weight_N=weight_N))
 
 
 def combine_sorted(y_RD: torch.Tensor, plan: LocalPlan) -> torch.Tensor:
@@ -161,6 +276,6 @@ def combine_sorted(y_RD: torch.Tensor, plan: LocalPlan) -> torch.Tensor:
     if plan.top_k is not None:
         return _CombineSlots.apply(y_RD, plan.weight_N, plan.slot_to_row_N, plan.kept_R,
                                    plan.token_R, plan.num_tokens)
-    weighted_RD = y_RD * plan.weight_N[plan.kept_R].unsqueeze(-1)
-    y_TD = weighted_RD.new_zeros(plan.num_tokens, y_RD.shape[-1])
-    return y_TD.index_add(0, plan.token_R, weighted_RD)
+    dtype = torch.promote_types(y_RD.dtype, plan.weight_N.dtype)
+    weighted_RD = y_RD.to(dtype) * plan.weight_N.index_select(0, plan.kept_R).to(dtype).unsqueeze(-1)
+    return sum_rows(weighted_RD, plan.token_R, plan.rows_of_token_TM)

@@ -13,7 +13,7 @@ from torch import nn
 
 from .grouped_mm import grouped_mm
 
-__all__ = ["ACTIVATIONS", "GroupedExperts", "FeedForward", "SharedExperts"]
+__all__ = ["ACTIVATIONS", "GroupedExperts", "FeedForward", "SharedExperts", "expert_ffn"]
 
 ACTIVATIONS = ("swiglu", "gelu")
 
@@ -21,7 +21,8 @@ ACTIVATIONS = ("swiglu", "gelu")
 class _SwiGLU(torch.autograd.Function):
     """silu(gate) * up for h = [gate | up]. Backward writes both halves of one [R, 2F] gradient
     in place, instead of autograd's two half-size gradients joined by a cat (a full extra copy of
-    the largest activation in the layer)."""
+    the largest activation in the layer), and allocates nothing else: grad * up is formed in the
+    gate half and turned into the gate gradient there."""
 
     @staticmethod
     def forward(ctx, h):
@@ -37,8 +38,10 @@ class _SwiGLU(torch.autograd.Function):
         grad_h = torch.empty_like(h)
         grad_gate, grad_up = grad_h.chunk(2, dim=-1)
         torch.mul(grad_out, silu_gate, out=grad_up)
-        # The ATen op autograd itself uses for silu, in its out= form (writes into the half).
-        torch.ops.aten.silu_backward.grad_input(grad_out * up, gate, grad_input=grad_gate)
+        torch.mul(grad_out, up, out=grad_gate)
+        # The ATen op autograd itself uses for silu, in its out= form, in place on the half
+        # (an elementwise op may write over its own input).
+        torch.ops.aten.silu_backward.grad_input(grad_gate, gate, grad_input=grad_gate)
         return grad_h
 
 
@@ -55,7 +58,7 @@ def _in_features(ffn_dim: int, activation: str) -> int:
 class GroupedExperts(nn.Module):
     """E experts with weights stacked on dim 0: `w_in_EDH` [E, D, 2F or F], `w_out_EFD` [E, F, D].
 
-    forward(x_RD, rows_per_expert) runs expert e on its contiguous block of rows; no Python loop
+    forward(x_RD, rows_per_expert, offs_E) runs expert e on its contiguous block of rows; no Python loop
     over experts. Expert parallelism shards dim 0 (each rank holds its local experts).
     """
 
@@ -70,10 +73,29 @@ class GroupedExperts(nn.Module):
         nn.init.normal_(self.w_in_EDH, std=init_std)
         nn.init.normal_(self.w_out_EFD, std=out_init_std or init_std)
 
-    def forward(self, x_RD, rows_per_expert: list[int]):
-        offs_E = torch.tensor(rows_per_expert, device=x_RD.device).cumsum(0).to(torch.int32)
-        h_RH = grouped_mm(x_RD, self.w_in_EDH, rows_per_expert, offs_E)
-        return grouped_mm(_activate(h_RH, self.activation), self.w_out_EFD, rows_per_expert, offs_E)
+    def forward(self, x_RD, rows_per_expert: list[int] | None = None,
+                offs_E: torch.Tensor | None = None):
+        """`offs_E`: the int32 cumulative rows per expert on the device, as the dispatchers' plans
+        carry it; built from the host list (a host-to-device copy) only when not given.
+
+        `x_RD` may instead be a pipeline: a callable of (w_in_EDH, w_out_EFD, activation) that
+        runs the experts itself, block by block between its all-to-alls (the all-to-all
+        dispatcher's overlap). It runs inside this call so module hooks (FSDP's unshard and
+        reshard) see the experts called once, as on the synchronous path.
+        """
+        if callable(x_RD) and not isinstance(x_RD, torch.Tensor):
+            return x_RD(self.w_in_EDH, self.w_out_EFD, self.activation)
+        if offs_E is None:
+            offs_E = torch.tensor(rows_per_expert, device=x_RD.device).cumsum(0).to(torch.int32)
+        return expert_ffn(x_RD, rows_per_expert, offs_E, self.w_in_EDH, self.w_out_EFD,
+                          self.activation)
+
+
+def expert_ffn(x_RD, rows_per_expert: list[int], offs_E, w_in_EDH, w_out_EFD, activation: str):
+    """The experts' maths on rows grouped by expert, for any block of experts' weights (the
+    all-to-all pipeline runs a block of local experts per chunk)."""
+    h_RH = grouped_mm(x_RD, w_in_EDH, rows_per_expert, offs_E)
+    return grouped_mm(_activate(h_RH, activation), w_out_EFD, rows_per_expert, offs_E)
 
 
 class FeedForward(nn.Module):

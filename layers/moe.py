@@ -2,10 +2,14 @@
 
 Legend: T tokens, D model dim, R rows sent to experts, S sequence length.
 
-    x_TD -> router -> (routing, losses, stats)
-         -> dispatcher.dispatch(x_TD, routing) -> (x_RD, plan)
-         -> experts(x_RD, plan.rows_per_expert) -> y_RD
-         -> dispatcher.combine(y_RD, plan) -> y_TD  (+ shared experts)
+    x_TD -> router(defer_losses=True) -> routing
+         -> dispatcher.start(x_TD, routing)                  (EP: all-to-alls in flight)
+            | router losses and stats, aux-loss injection, shared experts   (overlap)
+         -> dispatcher.finish(started, experts, weight_N) -> y_TD  (+ shared experts)
+
+`finish` runs the experts (grouped GEMMs) on the dispatched rows and combines them; the local
+dispatcher's pair is dispatch -> experts -> combine, the all-to-all one pipelines chunks of
+experts between its asynchronous all-to-alls (parallel/alltoall.py).
 
 Aux losses are returned, never kept in a module global. With `aux_loss_scale` set, the layer also
 attaches their gradient inside autograd (scale-and-inject): the output is unchanged and backward
@@ -15,7 +19,6 @@ rides on the combine weights (N numbers, not the [T, D] output), which every bac
 the layer's output reaches.
 """
 
-import dataclasses
 from typing import NamedTuple
 
 import torch
@@ -95,13 +98,17 @@ class MoE(nn.Module):
             raise ValueError(f"MoE expects [..., {self.dim}], got {tuple(x.shape)}")
         seq_len = x.shape[-2] if x.dim() >= 2 else 1
         x_TD = x.reshape(-1, self.dim)
-        routing, losses, stats = self.router(x_TD, seq_len=seq_len if x.dim() > 2 else None)
+        # Through the modules' own calls, so their hooks (FSDP unshard) run as usual.
+        routing, finish_router = self.router(x_TD, seq_len=seq_len if x.dim() > 2 else None,
+                                             defer_losses=True)
+        started = self.dispatcher.start(x_TD, routing)
+        # While the dispatch is in flight (EP): the router's losses and the shared experts.
+        losses, stats = finish_router()
+        weight_N = routing.weight_N
         if self.aux_loss_scale is not None:
-            routing = dataclasses.replace(routing, weight_N=inject_aux_loss(
-                routing.weight_N, losses.total, self.aux_loss_scale))
-        x_RD, plan = self.dispatcher.dispatch(x_TD, routing)
-        y_RD = self.experts(x_RD, plan.rows_per_expert)
-        y_TD = self.dispatcher.combine(y_RD, plan).to(x.dtype)
-        if self.shared is not None:
-            y_TD = y_TD + self.shared(x_TD)
+            weight_N = inject_aux_loss(weight_N, losses.total, self.aux_loss_scale)
+        shared_TD = self.shared(x_TD) if self.shared is not None else None
+        y_TD = self.dispatcher.finish(started, self.experts, weight_N).to(x.dtype)
+        if shared_TD is not None:
+            y_TD = y_TD + shared_TD
         return MoEOutput(y_TD.view(x.shape[:-1] + (y_TD.shape[-1],)), losses, stats)

@@ -19,7 +19,7 @@ import torch.nn.functional as F
 from torch import nn
 
 __all__ = ["RouterConfig", "Routing", "RouterLosses", "RoutingStats", "TopKRouter",
-           "ExpertChoiceRouter", "build_router", "capacity", "switch_balance_loss",
+           "ExpertChoiceRouter", "build_router", "capacity", "expert_counts", "switch_balance_loss",
            "sequence_balance_loss", "z_loss"]
 
 _ROUTER_TYPES = ("topk", "expert_choice")
@@ -121,23 +121,34 @@ def capacity(num_tokens: int, top_k: int, capacity_factor: float, num_experts: i
     return math.ceil(Fraction(num_tokens * top_k) * factor / num_experts)
 
 
-def switch_balance_loss(probs_TE, experts_TK):
+def expert_counts(experts, num_experts: int, per_row: bool = False):
+    """Copies per expert (int64, [E]; [B, E] per row of dim 0 with `per_row`) by a scatter-add of
+    static size: no host sync, unlike `torch.bincount`, which reads the largest id on the host
+    (two syncs on CUDA). Integer adds commute, so the counts are exact whatever the order of the
+    GPU's atomics (float counts would be too, below 2^24, but integers need no argument)."""
+    ids_BN = experts.reshape(experts.shape[0] if per_row else 1, -1)
+    counts_BE = torch.zeros(ids_BN.shape[0], num_experts, dtype=torch.long, device=ids_BN.device)
+    counts_BE.scatter_add_(1, ids_BN, torch.ones_like(ids_BN))
+    return counts_BE if per_row else counts_BE[0]
+
+
+def switch_balance_loss(probs_TE, experts_TK, counts_E=None):
     """Switch/GShard loss E * sum_e f_e * P_e over the group; 1.0 when perfectly balanced.
 
     f_e = share of the T*K routed copies sent to e (before drops), P_e = mean probability of e.
+    `counts_E` (copies per expert) is computed here unless the caller already has it.
     """
     num_tokens, num_experts = probs_TE.shape
-    counts_E = torch.bincount(experts_TK.flatten(), minlength=num_experts).to(probs_TE.dtype)
-    f_E = counts_E / experts_TK.numel()
+    if counts_E is None:
+        counts_E = expert_counts(experts_TK, num_experts)
+    f_E = counts_E.to(probs_TE.dtype) / experts_TK.numel()
     return num_experts * torch.sum(f_E * probs_TE.mean(0))
 
 
 def sequence_balance_loss(probs_BSE, experts_BSK):
     """The Switch loss computed within each sequence and averaged over sequences."""
     num_seqs, seq_len, num_experts = probs_BSE.shape
-    counts_BE = torch.zeros(num_seqs, num_experts, dtype=probs_BSE.dtype, device=probs_BSE.device)
-    counts_BE.scatter_add_(1, experts_BSK.reshape(num_seqs, -1),
-                           torch.ones_like(experts_BSK.reshape(num_seqs, -1), dtype=probs_BSE.dtype))
+    counts_BE = expert_counts(experts_BSK, num_experts, per_row=True).to(probs_BSE.dtype)
     f_BE = counts_BE / experts_BSK[0].numel()
     return num_experts * torch.sum(f_BE * probs_BSE.mean(1), dim=1).mean()
 
@@ -145,6 +156,14 @@ def sequence_balance_loss(probs_BSE, experts_BSK):
 def z_loss(logits_TE):
     """Mean over tokens of logsumexp(logits)^2 (ST-MoE): keeps router logits small."""
     return torch.logsumexp(logits_TE, dim=-1).square().mean()
+
+
+def _logged_unless(coeff: float, loss_fn, *args):
+    """loss_fn(*args), with autograd only when `coeff` makes it part of the trained total."""
+    if coeff:
+        return loss_fn(*args)
+    with torch.no_grad():
+        return loss_fn(*args)
 
 
 class _RouterBase(nn.Module):
@@ -198,8 +217,20 @@ class TopKRouter(_RouterBase):
             choice_TE = choice_TGe.masked_fill(~keep_TG[..., None], float("-inf")).view(num_tokens, -1)
         return choice_TE.topk(self.top_k, dim=-1).indices
 
-    def forward(self, x_TD, seq_len: int | None = None):
-        """Returns (Routing, RouterLosses, RoutingStats) for one capacity group of T tokens."""
+    def forward(self, x_TD, seq_len: int | None = None, defer_losses: bool = False):
+        """Returns (Routing, RouterLosses, RoutingStats) for one capacity group of T tokens.
+
+        With `defer_losses`: (Routing, finish), the routing the dispatch needs and a callable
+        that returns (RouterLosses, RoutingStats). The MoE layer calls `finish` while the
+        dispatch is in flight: nothing the dispatch reads waits for the balance and z losses,
+        and `finish` reads only tensors this call made (no parameter: under FSDP they may be
+        resharded by then). With a token group (sequence parallelism) the losses talk on the tp
+        group, so they are computed here, before the dispatch's collectives.
+        """
+        routing, finish = self._route(x_TD, seq_len)
+        return (routing, finish) if defer_losses else (routing, *finish())
+
+    def _route(self, x_TD, seq_len: int | None = None):
         cfg, num_tokens = self.cfg, x_TD.shape[0]
         logits_TE = self.logits(x_TD)
         scores_TE = self.scores(logits_TE)
@@ -207,23 +238,10 @@ class TopKRouter(_RouterBase):
         weights_TK = scores_TE.gather(1, experts_TK)
         if cfg.norm_topk_prob:
             weights_TK = weights_TK / (weights_TK.sum(-1, keepdim=True) + 1e-20)
-        weights_TK = weights_TK * cfg.routed_scaling_factor
-
-        # Balance losses see a distribution over experts; sigmoid scores are normalised for them.
-        probs_TE = scores_TE if cfg.score_func == "softmax" else scores_TE / (
-            scores_TE.sum(-1, keepdim=True) + 1e-20)
+        if cfg.routed_scaling_factor != 1.0:
+            weights_TK = weights_TK * cfg.routed_scaling_factor
         seq_len = seq_len or num_tokens
         group = self.token_group
-        if group is None:
-            balance = switch_balance_loss(probs_TE, experts_TK)
-            seq_balance = sequence_balance_loss(probs_TE.view(-1, seq_len, self.num_experts),
-                                                experts_TK.view(-1, seq_len, self.top_k))
-            z = z_loss(logits_TE)
-        else:
-            balance, seq_balance, z = self._group_losses(probs_TE, experts_TK, logits_TE,
-                                                         seq_len, group)
-        total = cfg.balance_coeff * balance + cfg.seq_balance_coeff * seq_balance + cfg.z_coeff * z
-        losses = RouterLosses(total, balance.detach(), seq_balance.detach(), z.detach())
 
         expert_N = experts_TK.flatten()
         weight_N = weights_TK.flatten()
@@ -236,10 +254,44 @@ class TopKRouter(_RouterBase):
                 keep_N = self._group_within_capacity(expert_N, weight_N.detach(), cap, seq_len, group)
             expert_N = torch.where(keep_N, expert_N, self.num_experts)
         token_N = torch.arange(num_tokens, device=x_TD.device).repeat_interleave(self.top_k)
-        counts_E = torch.bincount(experts_TK.flatten(), minlength=self.num_experts)
+        routing = Routing(token_N, expert_N, weight_N, self.top_k)
+
+        def finish():
+            return self._losses(logits_TE, scores_TE, experts_TK, expert_N, seq_len)
+
+        if group is not None:
+            done = finish()
+            return routing, lambda: done
+        return routing, finish
+
+    def _losses(self, logits_TE, scores_TE, experts_TK, expert_N, seq_len: int):
+        cfg, num_tokens, group = self.cfg, logits_TE.shape[0], self.token_group
+        # Balance losses see a distribution over experts; sigmoid scores are normalised for them.
+        probs_TE = scores_TE if cfg.score_func == "softmax" else scores_TE / (
+            scores_TE.sum(-1, keepdim=True) + 1e-20)
+        counts_E = expert_counts(experts_TK, self.num_experts)   # the loss's and the stats'
+        if group is None:
+            # A loss whose coefficient is zero is only logged: no graph, no backward through it.
+            balance = _logged_unless(cfg.balance_coeff, switch_balance_loss, probs_TE,
+                                     experts_TK, counts_E)
+            if seq_len == num_tokens and not cfg.seq_balance_coeff:
+                seq_balance = balance   # one sequence, only logged: the same loss
+            else:
+                seq_balance = _logged_unless(cfg.seq_balance_coeff, sequence_balance_loss,
+                                             probs_TE.view(-1, seq_len, self.num_experts),
+                                             experts_TK.view(-1, seq_len, self.top_k))
+            z = _logged_unless(cfg.z_coeff, z_loss, logits_TE)
+        else:
+            balance, seq_balance, z = self._group_losses(probs_TE, experts_TK, logits_TE,
+                                                         seq_len, group)
+        terms = [c * loss for c, loss in ((cfg.balance_coeff, balance),
+                                          (cfg.seq_balance_coeff, seq_balance),
+                                          (cfg.z_coeff, z)) if c]
+        total = sum(terms[1:], terms[0]) if terms else balance.detach() * 0.0
+        losses = RouterLosses(total, balance.detach(), seq_balance.detach(), z.detach())
         stats = RoutingStats(counts_E.to(torch.float32), (expert_N == self.num_experts).sum(),
                              expert_N.numel())
-        return Routing(token_N, expert_N, weight_N, self.top_k), losses, stats
+        return losses, stats
 
     def _within_capacity(self, expert_N, weight_N, cap: int):
         """True for the assignments each expert keeps: its `cap` best by the drop policy."""
@@ -255,8 +307,9 @@ class TopKRouter(_RouterBase):
             priority_N = torch.arange(num_assign, device=expert_N.device)
         expert_sorted, idx = torch.sort(expert_N[priority_N], stable=True)
         order_N = priority_N[idx]
-        counts_E = torch.bincount(expert_N, minlength=self.num_experts)
-        starts_E = torch.cumsum(counts_E, 0) - counts_E
+        # Where each expert's run starts in the sorted ids: a binary search, no host sync.
+        starts_E = torch.searchsorted(expert_sorted, torch.arange(
+            self.num_experts, device=expert_N.device, dtype=expert_sorted.dtype))
         rank_N = torch.empty_like(expert_N)
         rank_N[order_N] = torch.arange(num_assign, device=expert_N.device) - starts_E[expert_sorted]
         return rank_N < cap
@@ -277,9 +330,8 @@ class TopKRouter(_RouterBase):
         each slice's tokens get exactly their share of the whole loss's gradient."""
         num_tokens, num_experts = probs_TE.shape
         batch, k = num_tokens // seq_len, self.top_k
-        counts_BE = torch.zeros(batch, num_experts, dtype=probs_TE.dtype, device=probs_TE.device)
-        counts_BE.scatter_add_(1, experts_TK.reshape(batch, -1),
-                               torch.ones_like(experts_TK.reshape(batch, -1), dtype=probs_TE.dtype))
+        counts_BE = expert_counts(experts_TK.reshape(batch, -1), num_experts,
+                                  per_row=True).to(probs_TE.dtype)
         parts = [counts_BE.sum(0), probs_TE.sum(0), counts_BE.flatten(),
                  probs_TE.view(batch, seq_len, num_experts).sum(1).flatten(),
                  torch.logsumexp(logits_TE, dim=-1).square().sum().reshape(1).to(probs_TE.dtype)]
@@ -305,22 +357,35 @@ class ExpertChoiceRouter(_RouterBase):
     C = ceil(T*K*cf/E), capped at T. `num_dropped` counts tokens no expert picked.
     """
 
-    def forward(self, x_TD, seq_len: int | None = None):
+    def forward(self, x_TD, seq_len: int | None = None, defer_losses: bool = False):
+        """As `TopKRouter.forward`; deferred, the z-loss and the stats come from `finish`."""
+        routing, finish = self._route(x_TD, seq_len)
+        return (routing, finish) if defer_losses else (routing, *finish())
+
+    def _route(self, x_TD, seq_len: int | None = None):
         num_tokens = x_TD.shape[0]
         logits_TE = self.logits(x_TD)
         scores_TE = torch.softmax(logits_TE, dim=-1)
         cap = min(num_tokens, capacity(num_tokens, self.top_k, self.cfg.capacity_factor,
                                        self.num_experts))
         weight_EC, token_EC = scores_TE.t().topk(cap, dim=-1)
-        z = z_loss(logits_TE)
-        zero = z.new_zeros(())
-        losses = RouterLosses(self.cfg.z_coeff * z, zero, zero, z.detach())
         expert_N = torch.arange(self.num_experts, device=x_TD.device).repeat_interleave(cap)
-        chosen_T = torch.zeros(num_tokens, dtype=torch.bool, device=x_TD.device)
-        chosen_T[token_EC.flatten()] = True
-        stats = RoutingStats(torch.full((self.num_experts,), float(cap), device=x_TD.device),
-                             (~chosen_T).sum(), num_tokens)
-        return Routing(token_EC.flatten(), expert_N, weight_EC.flatten()), losses, stats
+        routing = Routing(token_EC.flatten(), expert_N, weight_EC.flatten())
+
+        def finish():
+            z = _logged_unless(self.cfg.z_coeff, z_loss, logits_TE)
+            zero = z.new_zeros(())
+            losses = RouterLosses(self.cfg.z_coeff * z if self.cfg.z_coeff else zero, zero, zero,
+                                  z.detach())
+            # index_fill_ takes the value as a scalar; `chosen_T[idx] = True` copies it from
+            # the host.
+            chosen_T = torch.zeros(num_tokens, dtype=torch.bool, device=x_TD.device).index_fill_(
+                0, token_EC.flatten(), True)
+            stats = RoutingStats(torch.full((self.num_experts,), float(cap), device=x_TD.device),
+                                 (~chosen_T).sum(), num_tokens)
+            return losses, stats
+
+        return routing, finish
 
 
 def build_router(dim: int, num_experts: int, top_k: int, cfg: RouterConfig) -> nn.Module:

@@ -42,6 +42,7 @@ class ParallelConfig:
     dispatcher: str = "alltoall"  # token dispatch under ep > 1: "alltoall" or "allgather"
     dedup: bool = False          # alltoall: send a token once per EP rank, not once per expert
     debug_splits: bool = False   # check all-to-all split sizes across ranks (raises, never hangs)
+    a2a_chunks: int = 1          # alltoall: expert chunks pipelined between async all-to-alls
     backend: str = "auto"        # process group backend: auto (nccl on CUDA, else gloo), gloo, nccl
     bucket_mb: float = 25.0      # gradient buckets reduced while backward runs
     grad_reduce_dtype: str = ""  # "" (the parameters' dtype) or "bfloat16" on the wire
@@ -62,6 +63,8 @@ class ParallelConfig:
         if self.dispatcher not in DISPATCHERS:
             raise ValueError(f"parallel.dispatcher={self.dispatcher!r} is not one of "
                              f"{', '.join(map(repr, DISPATCHERS))}")
+        if self.a2a_chunks < 1:
+            raise ValueError(f"parallel.a2a_chunks={self.a2a_chunks} must be >= 1")
         if self.dedup and self.dispatcher != "alltoall":
             raise ValueError("parallel.dedup=true needs parallel.dispatcher='alltoall'")
         check_number("parallel.bucket_mb", self.bucket_mb, strict=True)

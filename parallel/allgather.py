@@ -14,11 +14,12 @@ Moves (P-1)*T*D per rank each way whatever the routing, so it suits small EP; ev
 hold the same T. One host sync per layer (rows per local expert).
 """
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
-from moepar.layers.dispatch import LocalPlan, combine_sorted, gather_sorted, sort_by_expert
+from moepar.layers.dispatch import (LocalPlan, combine_sorted, counts_to_host, gather_sorted,
+                                    sort_by_expert)
 from moepar.layers.router import Routing
 
 from .comm import all_gather_rows, group_size, reduce_scatter_rows, to_wire
@@ -30,9 +31,12 @@ __all__ = ["AllGatherDispatcher", "AllGatherPlan"]
 class AllGatherPlan:
     local: LocalPlan
     rows_per_expert: list[int]
+    offs_E: torch.Tensor
 
 
 class AllGatherDispatcher:
+    """Same methods as `LocalDispatcher` (its collectives are blocking: nothing to overlap)."""
+
     def __init__(self, num_experts: int, group, ep_rank: int, layer_id: int = 0):
         self.num_experts, self.group, self.layer_id = num_experts, group, layer_id
         self.ep = group_size(group)
@@ -40,9 +44,23 @@ class AllGatherDispatcher:
         self.first = ep_rank * self.num_local
 
     def dispatch(self, x_TD: torch.Tensor, routing: Routing):
+        x_RD, plan = self.start(x_TD, routing)
+        return x_RD, self._with_weights(plan, routing.weight_N)
+
+    def finish(self, started, experts, weight_N: torch.Tensor) -> torch.Tensor:
+        x_RD, plan = started
+        plan = self._with_weights(plan, weight_N)
+        return self.combine(experts(x_RD, plan.rows_per_expert, plan.offs_E), plan)
+
+    def _with_weights(self, plan: AllGatherPlan, weight_N):
+        """The combine weights of every rank's copies (gathered once the caller has them)."""
+        local = replace(plan.local, weight_N=all_gather_rows(weight_N, self.group))
+        return replace(plan, local=local)
+
+    def start(self, x_TD: torch.Tensor, routing: Routing):
+        """Gathers the tokens and their expert ids (not the weights: see `finish`)."""
         num_tokens = x_TD.shape[0]
         x_all = all_gather_rows(to_wire(x_TD), self.group)
-        weight_all = all_gather_rows(routing.weight_N, self.group)
         expert_all = all_gather_rows(routing.expert_N, self.group)
         token_all = all_gather_rows(routing.token_N, self.group)
         rank_of_N = torch.arange(self.ep, device=x_TD.device).repeat_interleave(routing.expert_N.numel())
@@ -51,11 +69,11 @@ class AllGatherDispatcher:
         local_e = expert_all - self.first
         mine = (local_e >= 0) & (local_e < self.num_local)
         local_e = torch.where(mine, local_e, self.num_local)
-        local_routing = Routing(token_all, local_e, weight_all, routing.top_k)
+        local_routing = Routing(token_all, local_e, None, routing.top_k)
         order_N, counts = sort_by_expert(local_e, self.num_local)
-        rows = counts.tolist()   # the one host sync
-        x_RD, local = gather_sorted(x_all, local_routing, order_N, rows)
-        return x_RD, AllGatherPlan(local, rows)
+        rows = counts_to_host(counts)   # the one host sync
+        x_RD, local = gather_sorted(x_all, local_routing, order_N, rows, counts)
+        return x_RD, AllGatherPlan(local, rows, local.offs_E)
 
     def combine(self, y_RD: torch.Tensor, plan: AllGatherPlan) -> torch.Tensor:
         partial_all = combine_sorted(y_RD, plan.local)   # [P*T, D], my experts' share only

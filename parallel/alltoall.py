@@ -1,52 +1,89 @@
 """The all-to-all token dispatcher: token copies travel to the EP rank that owns their expert.
 
 Legend: T tokens, D model dim, N assignments, S rows this rank sends, R rows it receives,
-E global experts, El = E / ep local experts, P = ep ranks.
+E global experts, El = E / ep local experts, P = ep ranks, C chunks.
 Talks on the `ep` group only.
 
 | step                     | forward                                   | backward                     |
 |--------------------------|-------------------------------------------|------------------------------|
 | count exchange           | all_to_all_single of [P, El] int counts   | -                            |
-| rows out                 | all_to_all_single, uneven (S rows -> R)   | all_to_all_single (R -> S)   |
-| rows back (combine)      | all_to_all_single, uneven (R -> S)        | all_to_all_single (S -> R)   |
+| rows out, per chunk      | all_to_all_single, uneven (S rows -> R)   | all_to_all_single (R -> S)   |
+| rows back, per chunk     | all_to_all_single, uneven (R -> S)        | all_to_all_single (S -> R)   |
 
-One host sync per layer: the local counts and the received counts go to the host together.
+One host sync per layer: the local counts and the received counts go to the host together
+(`counts_to_host`); the permutations and the grouped-GEMM offsets are built on the device from
+the device copies of the same counts, and backward never syncs.
 Only kept copies travel (capacity mode never pads on the wire): bytes out = kept rows * D.
 Rows arrive source-major (all of rank 0's rows for my experts, then rank 1's, ...) and are
 permuted to expert-major for the grouped GEMM; that permutation and its inverse are gathers.
+
+Overlap (`start` / `finish`, what the MoE layer calls): the row all-to-alls are asynchronous
+(comm.py `all_to_all_start` / `all_to_all_wait`). The local experts are cut into C chunks of
+El/C experts (`parallel.a2a_chunks`, clamped to a divisor of El); copies are sorted chunk-major
+(chunk, destination rank, expert), so each chunk's rows leave in one all-to-all. `start` issues
+every chunk's dispatch and returns: the router's losses and the shared experts run meanwhile.
+`finish` waits chunk i, runs its experts and issues its combine while chunk i+1's dispatch and
+chunk i-1's combine are in flight; autograd replays the same interleaving in reverse. Each
+expert sees exactly the rows, in the order, of the synchronous path (`dispatch` / `combine`,
+one chunk), and the per-expert GEMMs are the same calls, so results are bit-identical.
 """
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
-import torch.distributed as dist
 
-from moepar.layers.dispatch import (LocalPlan, combine_sorted, gather_sorted, inverse_permutation,
-                                    permute_rows, sort_by_expert)
+from moepar.layers.dispatch import (LocalPlan, combine_sorted, counts_to_host, gather_sorted,
+                                    group_offsets, inverse_permutation, permute_rows,
+                                    sort_by_expert)
+from moepar.layers.experts import expert_ffn
 from moepar.layers.router import Routing
 
-from .comm import all_to_all, group_size, to_wire
+from .comm import all_to_all, all_to_all_start, all_to_all_wait, group_size, to_wire
 from .splitcheck import check_splits
 
-__all__ = ["AllToAllDispatcher", "AllToAllPlan", "source_to_expert_major"]
+__all__ = ["AllToAllDispatcher", "AllToAllPlan", "AllToAllChunk", "source_to_expert_major"]
+
+
+@dataclass(frozen=True)
+class AllToAllChunk:
+    """One chunk of local experts: what travels, and how arrivals become expert-major."""
+    first_expert: int             # local experts [first_expert, first_expert + len(rows_per_expert))
+    send_splits: list[int]        # rows to each EP rank
+    recv_splits: list[int]        # rows from each EP rank
+    to_expert_major: torch.Tensor  # received rows -> expert-major order
+    to_source_major: torch.Tensor  # its inverse
+    rows_per_expert: list[int]    # rows per local expert of the chunk (the grouped GEMM's groups)
+    offs_E: torch.Tensor          # their int32 cumulative sum, on the device
 
 
 @dataclass(frozen=True)
 class AllToAllPlan:
     local: LocalPlan              # how this rank's own copies were sorted and will be combined
-    send_splits: list[int]        # rows to each EP rank
-    recv_splits: list[int]        # rows from each EP rank
-    to_expert_major: torch.Tensor  # received rows -> expert-major order
-    to_source_major: torch.Tensor  # its inverse
-    rows_per_expert: list[int]    # rows per local expert (what the grouped GEMM needs)
+    chunks: tuple[AllToAllChunk, ...]
+
+    @property
+    def rows_per_expert(self) -> list[int]:
+        return [n for chunk in self.chunks for n in chunk.rows_per_expert]
 
 
-def source_to_expert_major(recv_counts: list[list[int]], device=None) -> torch.Tensor:
+@dataclass(frozen=True)
+class _Started:
+    """What `start` leaves in flight for `finish`."""
+    plan: AllToAllPlan
+    arriving: list                # per chunk: (rows, flight) of all_to_all_start
+
+
+def source_to_expert_major(recv_counts, total: int | None = None, device=None) -> torch.Tensor:
     """Index that reorders rows laid out [source][expert] into [expert][source].
 
-    recv_counts[s][e] rows came from source s for local expert e, source-major on arrival.
+    recv_counts[s][e] rows came from source s for local expert e, source-major on arrival: a
+    [P, El] device tensor (then `total`, the host sum, keeps this free of host syncs) or lists.
     """
-    counts_SE = torch.tensor(recv_counts, dtype=torch.long, device=device)
+    if isinstance(recv_counts, torch.Tensor):
+        counts_SE, device = recv_counts.long(), recv_counts.device
+    else:
+        counts_SE = torch.tensor(recv_counts, dtype=torch.long, device=device)
+        total = int(sum(map(sum, recv_counts)))
     num_sources, num_local = counts_SE.shape
     flat_src = counts_SE.flatten()                       # blocks in arrival order (s, e)
     start_src = torch.cumsum(flat_src, 0) - flat_src
@@ -56,56 +93,138 @@ def source_to_expert_major(recv_counts: list[list[int]], device=None) -> torch.T
     block_dst = torch.arange(num_local * num_sources, device=device)
     e, s = block_dst // num_sources, block_dst % num_sources
     src_block = s * num_local + e
-    total = int(sum(map(sum, recv_counts)))
     owner = torch.repeat_interleave(block_dst, flat_dst, output_size=total)
     offset = torch.arange(total, device=device) - start_dst[owner]
     return start_src[src_block][owner] + offset
 
 
 class AllToAllDispatcher:
-    """Same two methods as `LocalDispatcher`; experts [ep_rank*El, (ep_rank+1)*El) live here."""
+    """Same methods as `LocalDispatcher`; experts [ep_rank*El, (ep_rank+1)*El) live here.
 
-    def __init__(self, num_experts: int, group, layer_id: int = 0, debug: bool = False):
+    `chunks`: expert chunks of the overlapped path (the config's `parallel.a2a_chunks`); the
+    largest divisor of El not above it is used. `timer` (an A2ATimer, benchmarks only) clocks
+    the asynchronous all-to-alls.
+    """
+
+    def __init__(self, num_experts: int, group, layer_id: int = 0, debug: bool = False,
+                 chunks: int = 1):
         self.num_experts, self.group, self.layer_id, self.debug = num_experts, group, layer_id, debug
         self.ep = group_size(group)
         if num_experts % self.ep:
             raise ValueError(f"num_experts={num_experts} must be divisible by ep={self.ep}")
+        if chunks < 1:
+            raise ValueError(f"parallel.a2a_chunks={chunks} must be >= 1")
         self.num_local = num_experts // self.ep
+        self.chunks = max(c for c in range(1, min(chunks, self.num_local) + 1)
+                          if self.num_local % c == 0)
+        self.timer = None
 
-    def exchange_counts(self, counts_E):
-        """(host counts per global expert sent, host [source][local expert] counts received)."""
-        send_PE = counts_E.view(self.ep, self.num_local)
-        recv_PE = torch.empty_like(send_PE)
+    def exchange_counts(self, counts_E, chunks: int = 1):
+        """(host counts sent, in the order of `counts_E`, host [source][local expert] counts
+        received, the received counts as a [P, El] device tensor). `counts_E` is per global
+        expert, or per sort key in chunk-major order (see `_chunk_major`) with `chunks` > 1; the
+        exchange uses the natural [P, El] layout either way."""
+        size = self.num_local // chunks
+        send_PE = counts_E.view(chunks, self.ep, size).transpose(0, 1).reshape(
+            self.ep, self.num_local).contiguous()
         if self.ep > 1:
-            dist.all_to_all_single(recv_PE, send_PE.contiguous(), group=self.group)
+            recv_PE = all_to_all(send_PE, [1] * self.ep, [1] * self.ep, self.group, self.timer)
         else:
             recv_PE = send_PE
-        host = torch.cat([counts_E, recv_PE.flatten()]).tolist()   # the one host sync
+        host = counts_to_host(torch.cat([counts_E, recv_PE.flatten()]))   # the one host sync
         sent = host[: self.num_experts]
         received = [host[self.num_experts + s * self.num_local: self.num_experts + (s + 1)
                          * self.num_local] for s in range(self.ep)]
-        return sent, received
+        return sent, received, recv_PE
+
+    def _chunk_major(self, expert_N, chunks: int):
+        """Sort keys ordering copies by (chunk, destination rank, local expert); dropped stay E.
+        One chunk: the expert id itself (destination-major, the synchronous order)."""
+        if chunks == 1:
+            return expert_N
+        P, El, size = self.ep, self.num_local, self.num_local // chunks
+        dest_N, local_N = torch.div(expert_N, El, rounding_mode="floor"), expert_N % El
+        key_N = torch.div(local_N, size, rounding_mode="floor") * (P * size) + dest_N * size + \
+            local_N % size
+        return torch.where(expert_N == self.num_experts, expert_N, key_N)
+
+    def _route(self, x_TD, routing: Routing, chunks: int):
+        """Sorts, exchanges counts (the one sync) and gathers the rows to send, chunk-major."""
+        P, size = self.ep, self.num_local // chunks
+        order_N, counts_K = sort_by_expert(self._chunk_major(routing.expert_N, chunks),
+                                           self.num_experts)
+        sent, received, recv_PE = self.exchange_counts(counts_K, chunks)
+        x_SD, local = gather_sorted(x_TD, routing, order_N, sent, counts_K)
+        plans = []
+        for c in range(chunks):
+            lo, hi = c * size, (c + 1) * size
+            send_splits = [sum(sent[(c * P + p) * size:(c * P + p + 1) * size]) for p in range(P)]
+            recv_splits = [sum(row[lo:hi]) for row in received]
+            # (before anything is sized by the splits: a mismatch raises here, on every rank)
+            self._check(send_splits, recv_splits, "dispatch", x_TD.device)
+            to_expert = source_to_expert_major(recv_PE[:, lo:hi], sum(recv_splits))
+            rows = [sum(received[s][e] for s in range(P)) for e in range(lo, hi)]
+            plans.append(AllToAllChunk(lo, send_splits, recv_splits, to_expert,
+                                       inverse_permutation(to_expert), rows,
+                                       group_offsets(recv_PE[:, lo:hi].sum(0))))
+        return to_wire(x_SD), AllToAllPlan(local, tuple(plans))
+
+    def _check(self, send_splits, recv_splits, what: str, device):
+        if self.debug:
+            check_splits(send_splits, recv_splits, self.group, f"MoE layer {self.layer_id} {what}",
+                         device)
+
+    # -- the synchronous path: one chunk, blocking all-to-alls ---------------------------------
 
     def dispatch(self, x_TD: torch.Tensor, routing: Routing):
-        order_N, counts_E = sort_by_expert(routing.expert_N, self.num_experts)
-        sent, received = self.exchange_counts(counts_E)
-        x_SD, local = gather_sorted(x_TD, routing, order_N, sent)
-        send_splits = [sum(sent[p * self.num_local:(p + 1) * self.num_local]) for p in range(self.ep)]
-        recv_splits = [sum(row) for row in received]
-        if self.debug:
-            check_splits(send_splits, recv_splits, self.group, f"MoE layer {self.layer_id} dispatch",
-                         x_TD.device)
-        x_recv = all_to_all(to_wire(x_SD), recv_splits, send_splits, self.group)
-        to_expert = source_to_expert_major(received, device=x_TD.device)
-        to_source = inverse_permutation(to_expert)
-        x_RD = permute_rows(x_recv, to_expert, to_source)
-        rows = [sum(received[s][e] for s in range(self.ep)) for e in range(self.num_local)]
-        return x_RD, AllToAllPlan(local, send_splits, recv_splits, to_expert, to_source, rows)
+        x_SD, plan = self._route(x_TD, routing, 1)
+        (chunk,) = plan.chunks
+        x_recv = all_to_all(x_SD, chunk.recv_splits, chunk.send_splits, self.group)
+        return permute_rows(x_recv, chunk.to_expert_major, chunk.to_source_major), plan
 
     def combine(self, y_RD: torch.Tensor, plan: AllToAllPlan) -> torch.Tensor:
-        y_recv = permute_rows(y_RD, plan.to_source_major, plan.to_expert_major)
-        if self.debug:
-            check_splits(plan.recv_splits, plan.send_splits, self.group,
-                         f"MoE layer {self.layer_id} combine", y_RD.device)
-        y_SD = all_to_all(y_recv, plan.send_splits, plan.recv_splits, self.group)
+        (chunk,) = plan.chunks
+        y_recv = permute_rows(y_RD, chunk.to_source_major, chunk.to_expert_major)
+        self._check(chunk.recv_splits, chunk.send_splits, "combine", y_RD.device)
+        y_SD = all_to_all(y_recv, chunk.send_splits, chunk.recv_splits, self.group)
         return combine_sorted(y_SD, plan.local)
+
+    # -- the overlapped path (what the MoE layer calls) ----------------------------------------
+
+    def start(self, x_TD: torch.Tensor, routing: Routing) -> _Started:
+        x_SD, plan = self._route(x_TD, routing, self.chunks)
+        pieces = x_SD.split([sum(c.send_splits) for c in plan.chunks]) if self.chunks > 1 \
+            else (x_SD,)
+        arriving = []
+        for chunk, rows in zip(plan.chunks, pieces, strict=True):
+            arriving.append(all_to_all_start(rows, chunk.recv_splits, chunk.send_splits,
+                                             self.group, self.timer))
+        return _Started(plan, arriving)
+
+    def finish(self, started: _Started, experts, weight_N: torch.Tensor) -> torch.Tensor:
+        # Through the experts module's own call, so its hooks (FSDP unshard) run once.
+        y_SD = experts(lambda w_in, w_out, activation: self._pipeline(started, w_in, w_out,
+                                                                      activation))
+        return combine_sorted(y_SD, replace(started.plan.local, weight_N=weight_N))
+
+    def _pipeline(self, started: _Started, w_in_EDH, w_out_EFD, activation: str):
+        """Chunk i: wait its rows, run its experts, send the results back; returns the rows back
+        at this rank, in its send order."""
+        chunks = started.plan.chunks
+        if len(chunks) > 1:
+            size = self.num_local // len(chunks)
+            w_in_EDH, w_out_EFD = w_in_EDH.split(size), w_out_EFD.split(size)
+        else:
+            w_in_EDH, w_out_EFD = (w_in_EDH,), (w_out_EFD,)
+        returning = []
+        for chunk, (rows, flight), w_in, w_out in zip(chunks, started.arriving, w_in_EDH,
+                                                       w_out_EFD, strict=True):
+            x_recv = all_to_all_wait(rows, flight)
+            x_RD = permute_rows(x_recv, chunk.to_expert_major, chunk.to_source_major)
+            y_RD = expert_ffn(x_RD, chunk.rows_per_expert, chunk.offs_E, w_in, w_out, activation)
+            y_recv = permute_rows(y_RD, chunk.to_source_major, chunk.to_expert_major)
+            self._check(chunk.recv_splits, chunk.send_splits, "combine", y_RD.device)
+            returning.append(all_to_all_start(y_recv, chunk.send_splits, chunk.recv_splits,
+                                              self.group, self.timer))
+        pieces = [all_to_all_wait(rows, flight) for rows, flight in returning]
+        return torch.cat(pieces) if len(pieces) > 1 else pieces[0]

@@ -5,18 +5,32 @@ Talks on whatever group it is given (the expert-parallel `ep` group, in practice
 | function            | forward                                  | backward                                 | host sync |
 |---------------------|------------------------------------------|------------------------------------------|-----------|
 | all_to_all          | all_to_all_single, uneven splits         | all_to_all_single, splits swapped        | none      |
+| all_to_all_start    | all_to_all_single, async_op=True         | waits the reverse (issued by _wait)      | none      |
+| all_to_all_wait     | waits the rows started above             | issues the reverse all_to_all, async     | none      |
 | all_gather_rows     | all_gather_into_tensor (equal rows)      | reduce_scatter_tensor (sum)              | none      |
 | reduce_scatter_rows | reduce_scatter_tensor (sum, equal rows)  | all_gather_into_tensor                   | none      |
 
 Split sizes are host lists supplied by the caller (the dispatcher's one sync per layer). Every
 function short-circuits on a group of one rank, so callers never branch on the degree.
+
+The start/wait pair lets compute run while rows travel, in both directions: the forward issues
+the all-to-all in `start` and waits in `wait`; backward meets the two nodes in reverse, so the
+reverse all-to-all is issued in `wait`'s backward, as soon as the gradient exists, and waited in
+`start`'s backward, with the autograd work created between them (other chunks' experts) in
+between. On NCCL an async collective runs on the process group's own stream and `wait` only
+makes the current stream wait for it (no host sync); on gloo it runs on gloo's threads and
+`wait` blocks the host (the "exposed" time `A2ATimer` measures).
 """
+
+import threading
+import time
 
 import torch
 import torch.distributed as dist
 
 __all__ = ["all_to_all", "all_gather_rows", "reduce_scatter_rows", "group_size", "to_wire",
-           "all_gather_single", "reduce_scatter_single"]
+           "all_gather_single", "reduce_scatter_single", "all_to_all_start", "all_to_all_wait",
+           "A2ATimer"]
 
 
 def to_wire(x):
@@ -38,23 +52,160 @@ def _a2a(x, out_splits: list[int], in_splits: list[int], group):
     return out
 
 
+def _timed_a2a(x, out_splits, in_splits, group, timer):
+    started = time.perf_counter()
+    out = _a2a(x, out_splits, in_splits, group)
+    if timer is not None:
+        timer.blocking(started)
+    return out
+
+
 class _AllToAll(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, out_splits, in_splits, group):
-        ctx.splits, ctx.group = (out_splits, in_splits), group
-        return _a2a(x, out_splits, in_splits, group)
+    def forward(ctx, x, out_splits, in_splits, group, timer):
+        ctx.splits, ctx.group, ctx.timer = (out_splits, in_splits), group, timer
+        return _timed_a2a(x, out_splits, in_splits, group, timer)
 
     @staticmethod
     def backward(ctx, grad):
         out_splits, in_splits = ctx.splits
-        return _a2a(grad, in_splits, out_splits, ctx.group), None, None, None
+        return _timed_a2a(grad, in_splits, out_splits, ctx.group, ctx.timer), None, None, None, None
 
 
-def all_to_all(x, out_splits: list[int], in_splits: list[int], group):
-    """Rows x[sum(in_splits[:j]) : ...+in_splits[j]] go to rank j; returns rows received, by source."""
+def all_to_all(x, out_splits: list[int], in_splits: list[int], group, timer=None):
+    """Rows x[sum(in_splits[:j]) : ...+in_splits[j]] go to rank j; returns rows received, by source.
+    `timer` (an A2ATimer, or None) clocks it, forward and backward, as fully exposed."""
     if group_size(group) == 1:
         return x
-    return _AllToAll.apply(x, out_splits, in_splits, group)
+    return _AllToAll.apply(x, out_splits, in_splits, group, timer)
+
+
+class A2ATimer:
+    """Wall clock of a dispatcher's all-to-alls, forward and backward, for benchmarks (off unless
+    one is set on the dispatcher). `total`: the time at least one all-to-all was in flight (the
+    union of issue-to-completion intervals, so queued chunks are not counted twice); `exposed`:
+    the host's time issuing and blocked waiting, the part the overlap did not hide."""
+
+    def __init__(self):
+        self._lock = threading.Lock()
+        self.reset()
+
+    def reset(self):
+        with self._lock:
+            self.intervals: list[tuple[float, float]] = []
+            self.exposed = 0.0
+
+    @property
+    def total(self) -> float:
+        with self._lock:
+            spans = sorted(self.intervals)
+        covered, end = 0.0, float("-inf")
+        for lo, hi in spans:
+            covered += max(0.0, hi - max(lo, end))
+            end = max(end, hi)
+        return covered
+
+    def blocking(self, started: float):
+        """A synchronous collective that began at `started` and has just ended: all exposed."""
+        now = time.perf_counter()
+        with self._lock:
+            self.intervals.append((started, now))
+            self.exposed += now - started
+
+    def issued(self, work, started: float):
+        work.get_future().add_done_callback(lambda _: self._completed(started))
+        with self._lock:
+            self.exposed += time.perf_counter() - started
+
+    def waited(self, seconds: float):
+        with self._lock:
+            self.exposed += seconds
+
+    def _completed(self, started: float):
+        now = time.perf_counter()
+        with self._lock:   # runs on the communication thread
+            self.intervals.append((started, now))
+
+
+class _Flight:
+    """One asynchronous all-to-all and, in backward, its reverse: splits, group, work handles.
+    Buffers are dropped once waited, so no tensor outlives its use through this object."""
+
+    def __init__(self, out_splits, in_splits, group, timer):
+        self.out_splits, self.in_splits, self.group, self.timer = out_splits, in_splits, group, timer
+        self.work = self.recv = self.grad_work = self.grad_recv = None
+
+    def _send(self, x, out_splits, in_splits):
+        started = time.perf_counter()
+        recv = x.new_empty((sum(out_splits),) + tuple(x.shape[1:]))
+        work = dist.all_to_all_single(recv, x.contiguous(), out_splits, in_splits,
+                                      group=self.group, async_op=True)
+        if self.timer is not None:
+            self.timer.issued(work, started)
+        return recv, work
+
+    def _wait(self, work):
+        started = time.perf_counter()
+        work.wait()
+        if self.timer is not None:
+            self.timer.waited(time.perf_counter() - started)
+
+    def start(self, x):
+        self.recv, self.work = self._send(x, self.out_splits, self.in_splits)
+        return self.recv
+
+    def finish(self):
+        self._wait(self.work)
+        self.work = self.recv = None
+
+    def start_grad(self, grad):
+        self.grad_recv, self.grad_work = self._send(grad, self.in_splits, self.out_splits)
+
+    def finish_grad(self):
+        self._wait(self.grad_work)
+        grad, self.grad_work, self.grad_recv = self.grad_recv, None, None
+        return grad
+
+
+class _A2AStart(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, flight):
+        ctx.flight = flight
+        return flight.start(x)        # filled asynchronously: only _A2AWait reads it
+
+    @staticmethod
+    def backward(ctx, grad_recv):
+        # grad_recv is travelling already (issued in _A2AWait.backward): wait for its reverse.
+        return ctx.flight.finish_grad(), None
+
+
+class _A2AWait(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, recv, flight):
+        ctx.flight = flight
+        flight.finish()
+        return recv
+
+    @staticmethod
+    def backward(ctx, grad):
+        ctx.flight.start_grad(grad)
+        return grad, None
+
+
+def all_to_all_start(x, out_splits: list[int], in_splits: list[int], group, timer=None):
+    """Issues `all_to_all(x, ...)` and returns at once: (rows, flight), where `rows` must not be
+    read before `all_to_all_wait(rows, flight)` returns them."""
+    if group_size(group) == 1:
+        return x, None
+    flight = _Flight(out_splits, in_splits, group, timer)
+    return _A2AStart.apply(x, flight), flight
+
+
+def all_to_all_wait(rows, flight):
+    """The rows of `all_to_all_start`, once they have arrived (see the module docstring)."""
+    if flight is None:
+        return rows
+    return _A2AWait.apply(rows, flight)
 
 
 # torch 2.13 renamed these (the old names warn); older torch has only the old ones.

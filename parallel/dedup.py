@@ -14,18 +14,20 @@ P = ep ranks, El local experts. Talks on the `ep` group only.
 | rows back         | all_to_all_single, Q rows of D (partial sums)       | all_to_all_single           |
 
 Bytes of hidden state on the wire: Q*D each way instead of the plain dispatcher's A*D; the ids
-and weights add 3 numbers per assignment. One host sync per layer (all counts together).
+and weights add 3 numbers per assignment. One host sync per layer (all counts together); pair
+keys, counts and offsets are built on the device without boolean masks or `bincount` (which
+sync on CUDA), and backward never syncs.
 """
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
-import torch.distributed as dist
 
-from moepar.layers.dispatch import inverse_permutation, permute_rows, sort_by_expert
-from moepar.layers.router import Routing
+from moepar.layers.dispatch import (counts_to_host, gather_rows, group_offsets, segment_slots,
+                                    sort_by_expert, sum_rows)
+from moepar.layers.router import Routing, expert_counts
 
-from .comm import all_to_all, group_size, to_wire
+from .comm import all_to_all, all_to_all_start, all_to_all_wait, group_size, to_wire
 from .splitcheck import check_splits
 
 __all__ = ["DedupAllToAllDispatcher", "DedupPlan"]
@@ -34,47 +36,65 @@ __all__ = ["DedupAllToAllDispatcher", "DedupPlan"]
 @dataclass(frozen=True)
 class DedupPlan:
     pair_token_Q: torch.Tensor     # source token of each pair row sent
+    pairs_of_token_TM: torch.Tensor  # each token's pair rows (segment_slots): the final sum
     num_tokens: int
     send_rows: list[int]           # pair rows to each rank
     recv_rows: list[int]           # pair rows from each rank
-    row_of_assign: torch.Tensor    # received row each received assignment reads (arrival order)
-    weight_A: torch.Tensor         # received weights, arrival order
-    order_A: torch.Tensor          # arrival -> expert-major
-    inverse_A: torch.Tensor
+    row_A: torch.Tensor            # received row each assignment reads, assignments expert-major
+    assigns_of_row_QM: torch.Tensor  # each received row's assignments (segment_slots)
+    weight_A: torch.Tensor | None  # received weights, expert-major (None until they arrive)
     rows_per_expert: list[int]     # assignments per local expert (the grouped GEMM's groups)
+    offs_E: torch.Tensor           # their int32 cumulative sum, on the device
+
+
+@dataclass(frozen=True)
+class _DedupStarted:
+    """What `start` leaves for `finish`: the plan without weights, the rows in flight."""
+    plan: DedupPlan
+    arriving: tuple               # (rows, flight) of all_to_all_start
+    assign: torch.Tensor          # the assignments this rank sends, in send order
+    send_assign: list[int]
+    recv_assign: list[int]
+    order_A: torch.Tensor         # received assignments -> expert-major
 
 
 class DedupAllToAllDispatcher:
+    """Same methods as `LocalDispatcher`. `timer`: see AllToAllDispatcher."""
+
     def __init__(self, num_experts: int, group, layer_id: int = 0, debug: bool = False):
         self.num_experts, self.group, self.layer_id, self.debug = num_experts, group, layer_id, debug
         self.ep = group_size(group)
         self.num_local = num_experts // self.ep
+        self.timer = None
 
-    def _a2a_ints(self, x, out_splits, in_splits):
-        if self.ep == 1:
-            return x
-        out = x.new_empty((sum(out_splits),) + tuple(x.shape[1:]))
-        dist.all_to_all_single(out, x.contiguous(), out_splits, in_splits, group=self.group)
-        return out
 
     def dispatch(self, x_TD: torch.Tensor, routing: Routing):
+        """The synchronous form: (x_RD rows grouped by local expert, plan)."""
+        return self._arrive(self.start(x_TD, routing), routing.weight_N)
+
+    def finish(self, started: "_DedupStarted", experts, weight_N: torch.Tensor) -> torch.Tensor:
+        x_RD, plan = self._arrive(started, weight_N)
+        return self.combine(experts(x_RD, plan.rows_per_expert, plan.offs_E), plan)
+
+    def start(self, x_TD: torch.Tensor, routing: Routing) -> "_DedupStarted":
+        """Counts (the one sync), the pair rows out (asynchronous), the assignment ids (blocking,
+        small); the weights wait for `finish` (the aux-loss injection may still change them)."""
         num_tokens, P, El = x_TD.shape[0], self.ep, self.num_local
         dest_N = torch.div(routing.expert_N, El, rounding_mode="floor")   # dropped -> P
         key_sorted, order_N = torch.sort(dest_N * num_tokens + routing.token_N, stable=True)
         first = torch.ones_like(key_sorted, dtype=torch.bool)
         first[1:] = key_sorted[1:] != key_sorted[:-1]
         pair_of_sorted = torch.cumsum(first, 0) - 1
-        pair_key = key_sorted[first]
-        pair_dest = torch.div(pair_key, num_tokens, rounding_mode="floor")
-        pairs_per_dest = torch.bincount(pair_dest, minlength=P + 1)[:P]
-        assigns_PE = torch.bincount(routing.expert_N, minlength=self.num_experts + 1)[:-1].view(P, El)
+        # Each pair's key, without a boolean mask (whose size the host would need): every copy
+        # writes its pair's slot, and the copies of one pair carry the same key.
+        pair_key = key_sorted.new_empty(key_sorted.shape).scatter_(0, pair_of_sorted, key_sorted)
+        dest_sorted = torch.div(key_sorted, num_tokens, rounding_mode="floor")
+        pairs_per_dest = torch.zeros(P + 1, dtype=torch.long, device=x_TD.device).scatter_add_(
+            0, dest_sorted, first.long())[:P]
+        assigns_PE = expert_counts(routing.expert_N, self.num_experts + 1)[:-1].view(P, El)
         send = torch.cat([pairs_per_dest.unsqueeze(1), assigns_PE], 1)         # [P, 1+El]
-        recv = torch.empty_like(send)
-        if P > 1:
-            dist.all_to_all_single(recv, send.contiguous(), group=self.group)
-        else:
-            recv = send
-        host = torch.cat([send.flatten(), recv.flatten()]).tolist()          # the one host sync
+        recv = all_to_all(send, [1] * P, [1] * P, self.group, self.timer)
+        host = counts_to_host(torch.cat([send.flatten(), recv.flatten()]))   # the one host sync
         send_h = [host[p * (1 + El):(p + 1) * (1 + El)] for p in range(P)]
         recv_h = [host[(P + p) * (1 + El):(P + p + 1) * (1 + El)] for p in range(P)]
         send_rows, recv_rows = [r[0] for r in send_h], [r[0] for r in recv_h]
@@ -86,40 +106,49 @@ class DedupAllToAllDispatcher:
 
         # Source side: one row per (rank, token) pair; per assignment its row and local expert.
         pair_token_Q = torch.remainder(pair_key[:num_pairs], num_tokens)
-        x_recv = all_to_all(to_wire(x_TD.index_select(0, pair_token_Q)), recv_rows, send_rows,
-                            self.group)
+        # Sums over a token's copies run slot by slot (deterministic, see segment_slots): a token
+        # has at most one pair per rank and one assignment per expert, and at most K of each.
+        k = routing.top_k or self.num_experts
+        pairs_of_token_TM = segment_slots(pair_token_Q, num_tokens, min(k, P))
+        arriving = all_to_all_start(to_wire(gather_rows(x_TD, pair_token_Q, pairs_of_token_TM)),
+                                    recv_rows, send_rows, self.group, self.timer)
         assign = order_N[:num_assign]
         assign_dest = dest_N[assign]
         pair_start = torch.cumsum(pairs_per_dest, 0) - pairs_per_dest
         meta_A2 = torch.stack([pair_of_sorted[:num_assign] - pair_start[assign_dest],
                                routing.expert_N[assign] - assign_dest * El], 1)
-        meta_recv = self._a2a_ints(meta_A2, recv_assign, send_assign)
-        weight_recv = all_to_all(routing.weight_N[assign].unsqueeze(1), recv_assign, send_assign,
-                                 self.group).squeeze(1)
+        meta_recv = all_to_all(meta_A2, recv_assign, send_assign, self.group, self.timer)
 
         # Destination side: expand rows to assignments, grouped by local expert.
-        recv_rows_t = torch.tensor(recv_rows, device=x_TD.device)
+        # (from the device copy of the received counts: no host-to-device copy of the lists)
+        recv_rows_t = recv[:, 0]
         src_of_assign = torch.repeat_interleave(
-            torch.arange(P, device=x_TD.device), torch.tensor(recv_assign, device=x_TD.device),
-            output_size=sum(recv_assign))
+            torch.arange(P, device=x_TD.device), recv[:, 1:].sum(1), output_size=sum(recv_assign))
         row_of_assign = meta_recv[:, 0] + (torch.cumsum(recv_rows_t, 0) - recv_rows_t)[src_of_assign]
-        order_A, _ = sort_by_expert(meta_recv[:, 1], El)
+        order_A, counts_El = sort_by_expert(meta_recv[:, 1], El)
         rows_per_expert = [sum(recv_h[s][1 + e] for s in range(P)) for e in range(El)]
-        x_RD = x_recv.index_select(0, row_of_assign[order_A])
-        plan = DedupPlan(pair_token_Q, num_tokens, send_rows, recv_rows, row_of_assign,
-                         weight_recv, order_A, inverse_permutation(order_A), rows_per_expert)
-        return x_RD, plan
+        row_A = row_of_assign.index_select(0, order_A)
+        plan = DedupPlan(pair_token_Q, pairs_of_token_TM, num_tokens, send_rows, recv_rows, row_A,
+                         segment_slots(row_A, sum(recv_rows), min(k, El)), None, rows_per_expert,
+                         group_offsets(counts_El))
+        return _DedupStarted(plan, arriving, assign, send_assign, recv_assign, order_A)
+
+    def _arrive(self, started: "_DedupStarted", weight_N: torch.Tensor):
+        """The weights out (blocking, A numbers), the rows in: (x_RD, the complete plan)."""
+        weight_recv = all_to_all(weight_N[started.assign].unsqueeze(1), started.recv_assign,
+                                 started.send_assign, self.group, self.timer).squeeze(1)
+        plan = replace(started.plan, weight_A=weight_recv.index_select(0, started.order_A))
+        x_recv = all_to_all_wait(*started.arriving)
+        return gather_rows(x_recv, plan.row_A, plan.assigns_of_row_QM), plan
 
     def combine(self, y_RD: torch.Tensor, plan: DedupPlan) -> torch.Tensor:
         dtype = torch.promote_types(y_RD.dtype, plan.weight_A.dtype)
-        y_arrival = permute_rows(y_RD, plan.inverse_A, plan.order_A)
-        weighted = y_arrival.to(dtype) * plan.weight_A.to(dtype).unsqueeze(1)
-        y_rows = weighted.new_zeros(sum(plan.recv_rows), y_RD.shape[-1]).index_add(
-            0, plan.row_of_assign, weighted)
+        weighted = y_RD.to(dtype) * plan.weight_A.to(dtype).unsqueeze(1)
+        y_rows = sum_rows(weighted, plan.row_A, plan.assigns_of_row_QM)
         if self.debug:
             check_splits(plan.recv_rows, plan.send_rows, self.group,
                          f"MoE layer {self.layer_id} combine (dedup rows)", y_RD.device)
         # Partial sums travel in the experts' dtype (bf16 under autocast), summed in fp32 after.
-        y_pairs = all_to_all(y_rows.to(y_RD.dtype), plan.send_rows, plan.recv_rows, self.group)
-        y_TD = y_pairs.new_zeros(plan.num_tokens, y_RD.shape[-1], dtype=dtype)
-        return y_TD.index_add(0, plan.pair_token_Q, y_pairs.to(dtype))
+        y_pairs = all_to_all(y_rows.to(y_RD.dtype), plan.send_rows, plan.recv_rows, self.group,
+                             self.timer)
+        return sum_rows(y_pairs.to(dtype), plan.pair_token_Q, plan.pairs_of_token_TM)

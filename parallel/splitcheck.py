@@ -23,9 +23,10 @@ def check_splits(send_splits: list[int], recv_splits: list[int], group, where: s
     mine = torch.tensor([send_splits, recv_splits], dtype=torch.long, device=device)
     everyone = [torch.empty_like(mine) for _ in range(size)]
     dist.all_gather(everyone, mine, group=group)
+    table = torch.stack(everyone).tolist()   # one host read of all ranks' splits
     for src in range(size):
         for dst in range(size):
-            sent, got = int(everyone[src][0][dst]), int(everyone[dst][1][src])
+            sent, got = table[src][0][dst], table[dst][1][src]
             if sent != got:
                 raise SplitMismatchError(
                     f"{where}: EP rank {src} sends {sent} rows to EP rank {dst}, which expects "

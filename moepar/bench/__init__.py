@@ -44,12 +44,16 @@ def build_parser() -> argparse.ArgumentParser:
                                    "dense floors and a naive per-expert loop, alternately.")
     _layer_options(p)
     p.add_argument("--ep", type=int, default=1, help="expert-parallel processes (local, gloo)")
+    p.add_argument("--a2a-chunks", type=int, default=1,
+                   help="expert chunks pipelined between the all-to-alls (parallel.a2a_chunks)")
     _timing_options(p)
     p = sub.add_parser("dispatch", help="bytes on the wire per EP dispatcher",
                        description="Each dispatcher over --ep local processes: bytes per token "
                                    "against the minimum, and the all-to-all share of the time.")
     _layer_options(p)
     p.add_argument("--ep", type=int, required=True, help="expert-parallel processes (>= 2)")
+    p.add_argument("--a2a-chunks", type=int, default=1,
+                   help="expert chunks pipelined between the all-to-alls (parallel.a2a_chunks)")
     _timing_options(p)
     p = sub.add_parser("memory", help="bytes per rank against the ZeRO formula",
                        description="Builds a model, trains one step on dp*tp local processes and "

@@ -6,8 +6,11 @@ split sizes; dispatch and combine) per token, against the minimum for top-k rout
 k * dim * bytes * (ep-1)/ep each way (backward moves the same again); and the share of the
 forward + backward time spent inside all-to-all calls.
 
-`moepar bench moe-layer --ep N`: each rank's EP MoE layer against its dense floor (the ideal FFN
-on its own tokens * k rows), alternately; a repeat costs what the slowest rank took.
+`moepar bench moe-layer --ep N`: each rank's EP MoE layer against its dense floors (the plain
+SwiGLU on its own tokens, the ideal FFN on its tokens * k rows), alternately; a repeat costs what
+the slowest rank took. Both benchmarks report the all-to-all time of the layer: `total` is the time
+at least one all-to-all was in flight (forward and backward), `exposed` the time the host spent
+on them (issuing, blocking, waiting): what the overlap did not hide.
 """
 
 import contextlib
@@ -19,8 +22,11 @@ import time
 import torch
 import torch.distributed as dist
 
+from moepar.bench.moe_layer import PlainSwiGLU, paired_ratio
 from moepar.layers import FeedForward, MoE
 from moepar.parallel.dims import ParallelDims
+from moepar.parallel.alltoall import AllToAllDispatcher
+from moepar.parallel.comm import A2ATimer
 from moepar.parallel.expert import apply_ep
 
 __all__ = ["worker_main", "print_dispatch"]
@@ -72,10 +78,26 @@ def _setup(ep: int, experts: int):
 
 
 def _moe(args, dtype, rank, dims, meshes, dispatcher="alltoall", dedup=False):
+    """The EP layer with an A2ATimer on its dispatcher (all-to-all dispatchers)."""
     torch.manual_seed(0)   # same router and experts on every rank before sharding
     moe = MoE(args.dim, args.ffn_dim, args.experts, args.top_k, aux_loss_scale=1.0,
               balance_coeff=0.01).to(dtype)
-    return apply_ep(moe, dims, meshes, rank, dispatcher, dedup)
+    moe = apply_ep(moe, dims, meshes, rank, dispatcher, dedup)
+    if dispatcher == "alltoall" and not dedup and args.a2a_chunks > 1:
+        moe.dispatcher = AllToAllDispatcher(args.experts, meshes.group("ep"),
+                                            chunks=args.a2a_chunks)
+    if dispatcher == "alltoall":
+        moe.dispatcher.timer = A2ATimer()
+    return moe
+
+
+def _a2a_times(timer) -> tuple[float, float]:
+    """(total, exposed) seconds since the last reset, averaged over the ranks."""
+    dist.barrier()   # every completion callback of this step has run
+    both = torch.tensor([timer.total, timer.exposed], dtype=torch.float64)
+    dist.all_reduce(both)
+    timer.reset()
+    return float(both[0]) / dist.get_world_size(), float(both[1]) / dist.get_world_size()
 
 
 def bench_dispatch(args, dtype) -> dict:
@@ -90,22 +112,28 @@ def bench_dispatch(args, dtype) -> dict:
     for name, dispatcher, dedup in (("alltoall", "alltoall", False), ("alltoall+dedup", "alltoall", True),
                                     ("allgather", "allgather", False)):
         moe = _moe(args, dtype, rank, dims, meshes, dispatcher, dedup)
-        times, shares, floats, ints = [], [], [], []
+        timer = getattr(moe.dispatcher, "timer", None)
+        times, shares, floats, ints, a2a_total, a2a_exposed = [], [], [], [], [], []
         for rep in range(args.warmup + args.repeats):
             x.grad = None
             dist.barrier()
             fwd, bwd = _Meter(), _Meter()
+            if timer is not None:
+                timer.reset()
             start = time.perf_counter()
             with metered_all_to_all(fwd):        # bytes: forward = dispatch + combine, once each
                 y = moe(x).y
             with metered_all_to_all(bwd):
                 y.backward(grad)
             elapsed = time.perf_counter() - start
+            total, exposed = _a2a_times(timer) if timer is not None else (0.0, 0.0)
             if rep >= args.warmup:
                 times.append(elapsed)
-                shares.append((fwd.seconds + bwd.seconds) / elapsed)
+                shares.append(exposed / elapsed)
                 floats.append(fwd.float_bytes)
                 ints.append(fwd.int_bytes)
+                a2a_total.append(total * 1000)
+                a2a_exposed.append(exposed * 1000)
         # Bytes per token over the whole EP group (every rank's remote traffic, dispatch + combine).
         totals = torch.tensor([statistics.median(floats), statistics.median(ints)], dtype=torch.float64)
         dist.all_reduce(totals)
@@ -117,7 +145,9 @@ def bench_dispatch(args, dtype) -> dict:
             "bytes_per_token_hidden": float(totals[0]) / group_tokens,
             "bytes_per_token_all": float(totals.sum()) / group_tokens,
             "vs_minimum": float(totals[0]) / group_tokens / minimum if minimum else 0.0,
-            "comm_share": statistics.median(shares) if dispatcher != "allgather" else None,
+            "comm_share": statistics.median(shares) if timer is not None else None,
+            "a2a_total_ms": statistics.median(a2a_total) if timer is not None else None,
+            "a2a_exposed_ms": statistics.median(a2a_exposed) if timer is not None else None,
         }
     return out
 
@@ -126,30 +156,46 @@ def bench_moe_layer_ep(args, dtype) -> dict:
     rank, dims, meshes = _setup(args.ep, args.experts)
     moe = _moe(args, dtype, rank, dims, meshes)
     ideal = FeedForward(args.dim, args.ffn_dim).to(dtype)
+    plain = PlainSwiGLU(args.dim, args.top_k * args.ffn_dim).to(dtype)
     gen = torch.Generator().manual_seed(1000 + rank)
     x = torch.randn(args.tokens, args.dim, dtype=dtype, generator=gen, requires_grad=True)
-    grad = torch.randn(args.tokens, args.dim, dtype=dtype, generator=gen)
     rows = torch.randn(args.tokens * args.top_k, args.dim, dtype=dtype, generator=gen, requires_grad=True)
-    grad_rows = torch.randn(args.tokens * args.top_k, args.dim, dtype=dtype, generator=gen)
-    cases = {"moe": lambda: moe(x).y.backward(grad), "ideal": lambda: ideal(rows).backward(grad_rows)}
+    cases = {"moe": lambda: moe(x).y.pow(2).mean().backward(),
+             "plain": lambda: plain(x).pow(2).mean().backward(),
+             "ideal": lambda: ideal(rows).pow(2).mean().backward()}
+    leaves = [*moe.parameters(), *ideal.parameters(), *plain.parameters(), x, rows]
     times = {name: [] for name in cases}
+    a2a_total, a2a_exposed = [], []
     for rep in range(args.warmup + args.repeats):
         for name, fn in cases.items():
-            for p in list(moe.parameters()) + list(ideal.parameters()) + [x, rows]:
+            for p in leaves:
                 p.grad = None
+            moe.dispatcher.timer.reset()
             dist.barrier()
             start = time.perf_counter()
             fn()
             elapsed = torch.tensor(time.perf_counter() - start, dtype=torch.float64)
             dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)   # a step is as slow as its slowest rank
+            total, exposed = _a2a_times(moe.dispatcher.timer)
             if rep >= args.warmup:
                 times[name].append(float(elapsed) * 1000)
+                if name == "moe":
+                    a2a_total.append(total * 1000)
+                    a2a_exposed.append(exposed * 1000)
     med = {name: statistics.median(ts) for name, ts in times.items()}
-    paired = statistics.median(m / i for m, i in zip(times["moe"], times["ideal"]))
     return {"ep": args.ep, "tokens_per_rank": args.tokens, "dim": args.dim, "ffn_dim": args.ffn_dim,
             "experts": args.experts, "top_k": args.top_k, "dtype": args.dtype, "threads_per_rank": 1,
-            "repeats": args.repeats, "moe_ms": med["moe"], "ideal_ms": med["ideal"],
-            "ratio_vs_ideal": med["moe"] / med["ideal"], "paired_ratio_vs_ideal": paired}
+            "repeats": args.repeats, "malloc_tuning": os.environ.get("MOEPAR_MALLOC_TUNING", "1") != "0",
+            "moe_ms": med["moe"], "plain_ms": med["plain"], "ideal_ms": med["ideal"],
+            "ratio_vs_plain": med["moe"] / med["plain"],
+            "paired_ratio_vs_plain": paired_ratio(times, "moe", "plain"),
+            "ratio_vs_ideal": med["moe"] / med["ideal"],
+            "paired_ratio_vs_ideal": paired_ratio(times, "moe", "ideal"),
+            "a2a_chunks": moe.dispatcher.chunks,
+            "a2a_total_ms": statistics.median(a2a_total),
+            "a2a_exposed_ms": statistics.median(a2a_exposed),
+            "a2a_exposed_share": statistics.median(e / t for e, t in zip(a2a_exposed, a2a_total,
+                                                                          strict=True) if t)}
 
 
 def worker_main(args, dtype) -> dict:
@@ -172,8 +218,15 @@ def print_dispatch(result: dict):
           f"E={result['experts']} k={result['top_k']} {result['dtype']}; minimum "
           f"{result['min_bytes_per_token']:.0f} bytes/token (k*D*bytes*(ep-1)/ep, both ways)")
     print(f"  {'dispatcher':16s} {'ms':>8s} {'bytes/token':>12s} {'vs min':>7s} {'incl. ids':>10s} "
-          f"{'comm share':>10s}")
+          f"{'a2a total':>10s} {'exposed':>8s} {'of step':>8s}")
     for name, c in result["cases"].items():
-        share = "-" if c["comm_share"] is None else f"{100 * c['comm_share']:.0f}%"
+        if c["comm_share"] is None:
+            a2a = f"{'-':>10s} {'-':>8s} {'-':>8s}"
+        else:
+            a2a = (f"{c['a2a_total_ms']:8.1f}ms {c['a2a_exposed_ms']:6.1f}ms "
+                   f"{100 * c['comm_share']:7.0f}%")
         print(f"  {name:16s} {c['ms']:8.1f} {c['bytes_per_token_hidden']:12.0f} {c['vs_minimum']:7.3f} "
-              f"{c['bytes_per_token_all']:10.0f} {share:>10s}")
+              f"{c['bytes_per_token_all']:10.0f} {a2a}")
+    print("  a2a total: time with an all-to-all in flight (forward + backward); exposed: time the "
+          "host spent issuing and waiting on them (it can exceed the total on a loaded machine, "
+          "where the waiting process resumes late)")

@@ -1,20 +1,30 @@
-"""`moepar bench moe-layer`: the MoE layer against its ideal and a naive loop.
+"""`moepar bench moe-layer`: the MoE layer against two dense floors and a naive loop.
 
-moe-layer: forward + backward of one MoE layer (dropless top-k, aux loss injected as in training),
-of the ideal dense equivalent (one FFN of the expert's size on tokens*top_k rows: the same expert
-FLOPs with no routing), and of a naive per-expert masked Python loop. The three are measured
-alternately in one run, so machine noise hits them alike; medians are reported.
+Forward + backward, loss y.pow(2).mean() for every case, of:
+
+| case  | what                                                                              |
+|-------|-----------------------------------------------------------------------------------|
+| moe   | one MoE layer (dropless top-k, aux loss injected as in training)                  |
+| plain | the plain floor: T rows through an nn.Linear SwiGLU of hidden k*ffn (same FLOPs)  |
+| ideal | moepar's FeedForward of the expert's size on T*k rows (same FLOPs, no routing)    |
+| naive | a per-expert masked Python loop over the same router and weights                 |
+
+The cases are measured alternately in one run, so machine noise hits them alike; medians and
+the median of paired ratios (each repeat's moe time over the same repeat's floor) are reported.
+The plain floor is what other MoE implementations are compared against.
 """
 
+import os
 import statistics
 import time
 
 import torch
 import torch.nn.functional as F
+from torch import nn
 
 from moepar.layers import FeedForward, MoE
 
-__all__ = ["bench_moe_layer", "print_layer", "DTYPES"]
+__all__ = ["bench_moe_layer", "print_layer", "DTYPES", "PlainSwiGLU"]
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float64": torch.float64}
 
@@ -37,31 +47,42 @@ def _naive_moe(moe: MoE, x_TD):
     return y_TD + 0 * losses.total
 
 
+class PlainSwiGLU(nn.Module):
+    """The plain floor: one nn.Linear SwiGLU of hidden top_k * ffn_dim on the T tokens (the MoE
+    layer's expert FLOPs, as one dense GEMM pair with no routing)."""
+
+    def __init__(self, dim: int, hidden: int):
+        super().__init__()
+        self.w_in = nn.Linear(dim, 2 * hidden, bias=False)
+        self.w_out = nn.Linear(hidden, dim, bias=False)
+
+    def forward(self, x):
+        gate, up = self.w_in(x).chunk(2, dim=-1)
+        return self.w_out(F.silu(gate) * up)
+
+
+def paired_ratio(times: dict, name: str, floor: str) -> float:
+    return statistics.median(m / f for m, f in zip(times[name], times[floor], strict=True))
+
+
 def bench_moe_layer(tokens=4096, dim=512, ffn_dim=1024, experts=8, top_k=2, dtype="float32",
                     repeats=11, warmup=2, seed=0) -> dict:
     torch.manual_seed(seed)
     dt = DTYPES[dtype]
     moe = MoE(dim, ffn_dim, experts, top_k, aux_loss_scale=1.0, balance_coeff=0.01).to(dt)
     ideal = FeedForward(dim, ffn_dim).to(dt)
+    plain = PlainSwiGLU(dim, top_k * ffn_dim).to(dt)
     x_TD = torch.randn(tokens, dim, dtype=dt, requires_grad=True)
     x_rows = torch.randn(tokens * top_k, dim, dtype=dt, requires_grad=True)
-    grad_TD = torch.randn(tokens, dim, dtype=dt)
-    grad_rows = torch.randn(tokens * top_k, dim, dtype=dt)
-
-    def run_moe():
-        moe(x_TD).y.backward(grad_TD)
-
-    def run_ideal():
-        ideal(x_rows).backward(grad_rows)
-
-    def run_naive():
-        _naive_moe(moe, x_TD).backward(grad_TD)
-
-    cases = {"moe": run_moe, "ideal": run_ideal, "naive": run_naive}
+    cases = {"moe": lambda: moe(x_TD).y.pow(2).mean().backward(),
+             "plain": lambda: plain(x_TD).pow(2).mean().backward(),
+             "ideal": lambda: ideal(x_rows).pow(2).mean().backward(),
+             "naive": lambda: _naive_moe(moe, x_TD).pow(2).mean().backward()}
+    leaves = [*moe.parameters(), *ideal.parameters(), *plain.parameters(), x_TD, x_rows]
     times = {name: [] for name in cases}
     for rep in range(warmup + repeats):
         for name, fn in cases.items():
-            for p in list(moe.parameters()) + list(ideal.parameters()) + [x_TD, x_rows]:
+            for p in leaves:
                 p.grad = None
             start = time.perf_counter()
             fn()
@@ -69,22 +90,32 @@ def bench_moe_layer(tokens=4096, dim=512, ffn_dim=1024, experts=8, top_k=2, dtyp
             if rep >= warmup:
                 times[name].append(elapsed * 1000)
     med = {name: statistics.median(ts) for name, ts in times.items()}
-    paired = statistics.median(m / i for m, i in zip(times["moe"], times["ideal"]))
     return {"tokens": tokens, "dim": dim, "ffn_dim": ffn_dim, "experts": experts, "top_k": top_k,
             "dtype": dtype, "threads": torch.get_num_threads(), "repeats": repeats,
-            "moe_ms": med["moe"], "ideal_ms": med["ideal"], "naive_ms": med["naive"],
+            "malloc_tuning": os.environ.get("MOEPAR_MALLOC_TUNING", "1") != "0",
+            "moe_ms": med["moe"], "plain_ms": med["plain"], "ideal_ms": med["ideal"],
+            "naive_ms": med["naive"],
+            "ratio_vs_plain": med["moe"] / med["plain"],
+            "paired_ratio_vs_plain": paired_ratio(times, "moe", "plain"),
             "ratio_vs_ideal": med["moe"] / med["ideal"],
-            "paired_ratio_vs_ideal": paired,
-            "naive_ratio_vs_ideal": med["naive"] / med["ideal"]}
+            "paired_ratio_vs_ideal": paired_ratio(times, "moe", "ideal"),
+            "naive_ratio_vs_plain": med["naive"] / med["plain"]}
 
 
 def print_layer(result: dict, args):
     where = f"ep={args.ep}, 1 thread per rank, T per rank" if args.ep > 1 else \
         f"{result.get('threads', 1)} threads"
+    tuning = "malloc tuning on" if result.get("malloc_tuning", True) else "MOEPAR_MALLOC_TUNING=0"
     print(f"moe-layer T={args.tokens} D={args.dim} F={args.ffn_dim} E={args.experts} "
-          f"k={args.top_k} {args.dtype}, {where}, median of {args.repeats}:")
-    print(f"  moe   {result['moe_ms']:9.1f} ms   ratio vs ideal {result['ratio_vs_ideal']:.3f} "
-          f"(median of paired ratios {result['paired_ratio_vs_ideal']:.3f})")
-    print(f"  ideal {result['ideal_ms']:9.1f} ms")
+          f"k={args.top_k} {args.dtype}, {where}, {tuning}, median of {args.repeats}:")
+    print(f"  moe   {result['moe_ms']:9.1f} ms   ratio vs plain {result['ratio_vs_plain']:.3f} "
+          f"(paired {result['paired_ratio_vs_plain']:.3f}), vs ideal {result['ratio_vs_ideal']:.3f} "
+          f"(paired {result['paired_ratio_vs_ideal']:.3f})")
+    print(f"  plain {result['plain_ms']:9.1f} ms   (T rows, nn.Linear SwiGLU of hidden k*ffn)")
+    print(f"  ideal {result['ideal_ms']:9.1f} ms   (T*k rows, FeedForward of hidden ffn)")
     if "naive_ms" in result:
-        print(f"  naive {result['naive_ms']:9.1f} ms   ratio vs ideal {result['naive_ratio_vs_ideal']:.3f}")
+        print(f"  naive {result['naive_ms']:9.1f} ms   ratio vs plain {result['naive_ratio_vs_plain']:.3f}")
+    if "a2a_total_ms" in result:
+        print(f"  all-to-all {result['a2a_total_ms']:7.1f} ms in flight (fwd+bwd, "
+              f"{result['a2a_chunks']} chunk(s)), {result['a2a_exposed_ms']:.1f} ms exposed "
+              f"({100 * result['a2a_exposed_share']:.0f}% of total)")

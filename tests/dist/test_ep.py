@@ -3,12 +3,15 @@ equals the single-process layer (outputs, expert gradients on their owner, route
 after reduction), for every dispatcher, dropless and capacity, ep 2 and 4."""
 
 import copy
+import dataclasses
 
 import pytest
 import torch
 import torch.distributed as dist
 
 from moepar.layers import MoE, Routing
+from moepar.layers.moe import inject_aux_loss
+from moepar.parallel.alltoall import AllToAllDispatcher
 from moepar.parallel.dims import ParallelDims
 from moepar.parallel.expert import apply_ep
 from moepar.parallel.splitcheck import SplitMismatchError
@@ -68,13 +71,23 @@ def case_round_trip(ep: int, dispatcher: str, dedup: bool, scenario: str):
     torch.testing.assert_close(x.grad, scale.unsqueeze(1).expand(-1, DIM), rtol=1e-12, atol=1e-12)
 
 
-def case_layer_parity(ep: int, dispatcher: str, dedup: bool, capacity_factor):
+def with_chunks(moe, chunks: int, meshes, debug: bool = True):
+    """The all-to-all dispatcher with `chunks` expert chunks (apply_ep builds one chunk)."""
+    moe.dispatcher = AllToAllDispatcher(moe.num_experts, meshes.group("ep"), 0, debug=debug,
+                                        chunks=chunks)
+    return moe
+
+
+def case_layer_parity(ep: int, dispatcher: str, dedup: bool, capacity_factor, chunks: int = 1):
     rank, dims, meshes = setup(ep)
     size = dist.get_world_size()
     torch.manual_seed(0)
     kwargs = dict(capacity_factor=capacity_factor, balance_coeff=0.01, z_coeff=0.001)
     reference = MoE(DIM, FFN, E, K, num_shared_experts=1, **kwargs).double()
     sharded = apply_ep(copy.deepcopy(reference), dims, meshes, rank, dispatcher, dedup, debug=True)
+    if chunks > 1:
+        sharded = with_chunks(sharded, chunks, meshes)
+        assert sharded.dispatcher.chunks == min(chunks, E // ep)
     gen = torch.Generator().manual_seed(7)
     xs = [torch.randn(2, T, DIM, dtype=torch.float64, generator=gen) for _ in range(size)]
     gs = [torch.randn(2, T, DIM, dtype=torch.float64, generator=gen) for _ in range(size)]
@@ -109,11 +122,11 @@ def case_split_mismatch_raises(ep: int):
     moe = apply_ep(MoE(DIM, FFN, E, K).double(), dims, meshes, rank, "alltoall", debug=True)
     real = moe.dispatcher.exchange_counts
 
-    def corrupt(counts_E):
-        sent, received = real(counts_E)
+    def corrupt(*args):
+        sent, received, recv_PE = real(*args)
         if rank == 1:
             received[0][0] += 1   # rank 1 now expects a row rank 0 never sends
-        return sent, received
+        return sent, received, recv_PE
 
     moe.dispatcher.exchange_counts = corrupt
     x = torch.randn(T, DIM, dtype=torch.float64)
@@ -142,6 +155,65 @@ def test_layer_parity(worlds, kind, capacity_factor):
     worlds(2).run(case_layer_parity, 2, kind[0], kind[1], capacity_factor)
     worlds(4).run(case_layer_parity, 4, kind[0], kind[1], capacity_factor)
     worlds(4).run(case_layer_parity, 2, kind[0], kind[1], capacity_factor)
+
+
+@pytest.mark.parametrize("capacity_factor", [None, 1.0])
+@pytest.mark.parametrize("chunks", [2, 4])
+def test_layer_parity_chunked(worlds, chunks, capacity_factor):
+    worlds(2).run(case_layer_parity, 2, "alltoall", False, capacity_factor, chunks)
+    worlds(4).run(case_layer_parity, 4, "alltoall", False, capacity_factor, chunks)
+    worlds(4).run(case_layer_parity, 2, "alltoall", False, capacity_factor, chunks)
+
+
+def synchronous_forward(moe, x):
+    """The MoE layer through the blocking dispatch() / combine() pair, as before overlap."""
+    x_TD = x.reshape(-1, x.shape[-1])
+    routing, losses, _ = moe.router(x_TD, seq_len=x.shape[-2])
+    routing = dataclasses.replace(routing, weight_N=inject_aux_loss(routing.weight_N,
+                                                                    losses.total, 1.0))
+    x_RD, plan = moe.dispatcher.dispatch(x_TD, routing)
+    offs = torch.tensor(plan.rows_per_expert).cumsum(0).to(torch.int32)
+    y_TD = moe.dispatcher.combine(moe.experts(x_RD, plan.rows_per_expert, offs), plan)
+    return (y_TD.to(x.dtype) + moe.shared(x_TD)).view(x.shape)
+
+
+def case_overlap_is_bitwise_synchronous(ep: int, dedup: bool, chunks: int, dtype, capacity_factor):
+    """The overlapped layer (async all-to-alls, expert chunks) against the blocking one, bit for
+    bit: outputs and every gradient."""
+    rank, dims, meshes = setup(ep)
+    torch.manual_seed(0)
+    moe = MoE(DIM * 2, FFN * 2, E, K, num_shared_experts=1, aux_loss_scale=1.0,
+              capacity_factor=capacity_factor).to(dtype)
+    moe = apply_ep(moe, dims, meshes, rank, "alltoall", dedup, debug=True)
+    if chunks > 1:
+        moe = with_chunks(moe, chunks, meshes)
+    gen = torch.Generator().manual_seed(rank)
+    x = torch.randn(2, T, DIM * 2, generator=gen, dtype=dtype)
+    g = torch.randn(2, T, DIM * 2, generator=gen, dtype=dtype)
+    results = []
+    for forward in (synchronous_forward, lambda m, v: m(v).y):
+        xi = x.clone().requires_grad_()
+        (forward(moe, xi) * g).sum().backward()
+        results.append((forward(moe, x.clone()).detach(), xi.grad,
+                        {n: p.grad.clone() for n, p in moe.named_parameters()}))
+        moe.zero_grad(set_to_none=True)
+    (y_sync, dx_sync, grads_sync), (y, dx, grads) = results
+    assert torch.equal(y, y_sync) and torch.equal(dx, dx_sync)
+    for name, grad in grads.items():
+        assert torch.equal(grad, grads_sync[name]), name
+    return True
+
+
+@pytest.mark.parametrize("capacity_factor", [None, 1.0])
+@pytest.mark.parametrize("case", [(False, 1, torch.float64), (False, 1, torch.float32),
+                                  (False, 2, torch.float32), (False, 4, torch.float32),
+                                  (True, 1, torch.float64), (True, 1, torch.float32)],
+                         ids=["c1-fp64", "c1-fp32", "c2-fp32", "c4-fp32", "dedup-fp64",
+                              "dedup-fp32"])
+def test_overlap_is_bitwise_synchronous(worlds, case, capacity_factor):
+    dedup, chunks, dtype = case
+    assert worlds(2).run(case_overlap_is_bitwise_synchronous, 2, dedup, chunks, dtype,
+                         capacity_factor) == [True, True]
 
 
 def test_split_mismatch_raises_instead_of_hanging(worlds):
@@ -176,3 +248,60 @@ def case_bf16_rows_travel_as_bf16(dedup: bool):
 @pytest.mark.parametrize("dedup", [False, True])
 def test_bf16_rows_travel_as_bf16(worlds, dedup):
     assert all(n >= 4 for n in worlds(2).run(case_bf16_rows_travel_as_bf16, dedup))
+
+
+def case_sync_budget(ep: int, dispatcher: str, dedup: bool, capacity_factor, chunks: int = 1):
+    """One forward syncs the host once (the split sizes), backward never: the counts as CUDA
+    would pay them (tests/synccount.py), on every rank, after a warm-up call."""
+    from synccount import SyncCounter
+    rank, dims, meshes = setup(ep)
+    torch.manual_seed(0)
+    moe = apply_ep(MoE(DIM * 2, FFN, E, K, num_shared_experts=1, aux_loss_scale=1.0,
+                       capacity_factor=capacity_factor), dims, meshes, rank, dispatcher, dedup)
+    if chunks > 1:
+        moe = with_chunks(moe, chunks, meshes, debug=False)
+    x = torch.randn(2, T, DIM * 2, generator=torch.Generator().manual_seed(rank),
+                    requires_grad=True)
+    moe(x).y.sum().backward()
+    with SyncCounter() as fwd:
+        y = moe(x).y
+    with SyncCounter() as bwd:
+        y.square().sum().backward()
+    return fwd.count, bwd.count, fwd.report() + "\n" + bwd.report()
+
+
+@pytest.mark.parametrize("capacity_factor", [None, 1.0])
+@pytest.mark.parametrize("kind", KINDS, ids=lambda k: k[0] + ("-dedup" if k[1] else ""))
+def test_sync_budget(worlds, kind, capacity_factor):
+    for fwd, bwd, report in worlds(2).run(case_sync_budget, 2, kind[0], kind[1], capacity_factor):
+        assert (fwd, bwd) == (1, 0), report
+
+
+def test_sync_budget_with_chunks(worlds):
+    for fwd, bwd, report in worlds(2).run(case_sync_budget, 2, "alltoall", False, 1.0, 4):
+        assert (fwd, bwd) == (1, 0), report
+
+
+def case_no_float_atomics(ep: int, dispatcher: str, dedup: bool, router: dict):
+    """No float accumulation whose rounding depends on the order of GPU atomics, forward and
+    backward (tests/atomics.py); returns the offending ops."""
+    from atomics import FloatAtomics
+    rank, dims, meshes = setup(ep)
+    torch.manual_seed(0)
+    moe = apply_ep(MoE(DIM, FFN, E, K, num_shared_experts=1, aux_loss_scale=1.0, **router).double(),
+                   dims, meshes, rank, dispatcher, dedup)
+    x = torch.randn(2, T, DIM, dtype=torch.float64, generator=torch.Generator().manual_seed(rank),
+                    requires_grad=True)
+    with FloatAtomics() as atomics:
+        moe(x).y.square().sum().backward()
+    return atomics.ops
+
+
+ATOMIC_ROUTERS = {"dropless": {}, "capacity": dict(capacity_factor=1.0),
+                  "expert_choice": dict(type="expert_choice", capacity_factor=1.5)}
+
+
+@pytest.mark.parametrize("router", ATOMIC_ROUTERS.values(), ids=ATOMIC_ROUTERS.keys())
+@pytest.mark.parametrize("kind", KINDS, ids=lambda k: k[0] + ("-dedup" if k[1] else ""))
+def test_no_order_dependent_float_accumulation(worlds, kind, router):
+    assert worlds(2).run(case_no_float_atomics, 2, kind[0], kind[1], router) == [[], []]

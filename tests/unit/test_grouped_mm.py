@@ -202,3 +202,75 @@ def test_padded_fallback_with_skewed_groups_matches_loop():
     rx, rw = torch.autograd.grad(ref.square().sum(), (x, w))
     torch.testing.assert_close(gx, rx)
     torch.testing.assert_close(gw, rw)
+
+
+# ---- empty groups and the backend choice (issue: CUDA and NCCL) ------------------------------
+
+def test_zero_empty_group_grads_masks_only_empty_groups():
+    from moepar.layers.grouped_mm import zero_empty_group_grads
+    gen = torch.Generator().manual_seed(0)
+    w = torch.randn(5, 3, 2, generator=gen, requires_grad=True)
+    offs = torch.tensor([0, 4, 4, 9, 9], dtype=torch.int32)        # groups 0, 2 and 4 are empty
+    upstream = torch.randn(5, 3, 2, generator=gen)
+    upstream[2] = float("nan")                                      # garbage in an empty group
+    masked = zero_empty_group_grads(w, offs)
+    assert torch.equal(masked, w)
+    masked.backward(upstream)
+    for g, empty in enumerate([True, False, True, False, True]):
+        want = torch.zeros(3, 2) if empty else upstream[g]
+        assert torch.equal(w.grad[g], want), g
+
+
+class _BlackwellLikeGroupedMm(torch.autograd.Function):
+    """torch._grouped_mm's values, but 7.0 in the weight gradient of every empty group, as the
+    sm100 kernel is reported to return (a CPU stand-in for that bug)."""
+
+    @staticmethod
+    def forward(ctx, x_RI, w_GIO, offs_G):
+        ctx.save_for_backward(x_RI, w_GIO, offs_G)
+        return torch._grouped_mm_real(x_RI, w_GIO, offs=offs_G)
+
+    @staticmethod
+    def backward(ctx, grad_RO):
+        x_RI, w_GIO, offs_G = ctx.saved_tensors
+        grad_x = torch._grouped_mm_real(grad_RO.contiguous(), w_GIO.transpose(-2, -1), offs=offs_G)
+        grad_w = torch._grouped_mm_real(x_RI.t(), grad_RO.contiguous(), offs=offs_G)
+        ends = offs_G.long()
+        empty = ends.diff(prepend=ends.new_zeros(1)) == 0
+        return grad_x, grad_w.masked_fill(empty.view(-1, 1, 1), 7.0), None
+
+
+@native_available
+@pytest.mark.parametrize("masking", [True, False], ids=["masked", "unmasked"])
+def test_empty_group_weight_grads_are_zeroed_where_the_kernel_leaves_garbage(monkeypatch, masking):
+    import moepar.layers.grouped_mm as gmm
+    monkeypatch.setattr(torch, "_grouped_mm_real", torch._grouped_mm, raising=False)
+    monkeypatch.setattr(torch, "_grouped_mm", lambda x, w, offs: _BlackwellLikeGroupedMm.apply(
+        x, w, offs), raising=True)
+    monkeypatch.setattr(gmm, "_masks_empty_groups", lambda device: masking)
+    rows = [3, 0, 7, 0]
+    x_RI, w_GIO, grad_RO = make_inputs(rows, torch.float32)
+    grouped_mm(x_RI, w_GIO, rows).backward(grad_RO)
+    _, ref_dx, ref_dw = loop_reference(x_RI, w_GIO, rows, grad_RO)
+    torch.testing.assert_close(x_RI.grad.double(), ref_dx, **TOLERANCE[torch.float32])
+    nonempty = [0, 2]
+    torch.testing.assert_close(w_GIO.grad[nonempty].double(), ref_dw[nonempty],
+                               **TOLERANCE[torch.float32])
+    empty_grads = w_GIO.grad[[1, 3]]
+    if masking:
+        assert torch.count_nonzero(empty_grads) == 0
+    else:   # the stand-in really leaves garbage: without the mask this test would fail
+        assert torch.equal(empty_grads, torch.full_like(empty_grads, 7.0))
+
+
+@pytest.mark.parametrize("capability,dtype", [((8, 0), torch.bfloat16), ((9, 0), torch.float32),
+                                              ((10, 0), torch.float16), ((9, 0), torch.float64)])
+def test_cuda_native_path_needs_sm90_and_bfloat16(capability, dtype, monkeypatch):
+    """Below sm90, or in any dtype but bf16, CUDA takes the fallback without even probing
+    (torch's own CUDA fallback would read the offsets on the host)."""
+    from moepar.layers.grouped_mm import _native_runs
+    probed = []
+    monkeypatch.setattr(torch, "_grouped_mm", lambda *a, **k: probed.append(1), raising=False)
+    assert _native_runs("cuda", 0, capability, dtype) is False
+    assert probed == []
+    _native_runs.cache_clear()
