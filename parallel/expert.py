@@ -40,15 +40,23 @@ def shard_experts(experts: GroupedExperts, ep: int, ep_rank: int):
     experts.num_experts = num_local
 
 
+def _moe_layers(model) -> list[tuple[int, MoE]]:
+    """(the model's layer number, MoE) for a Transformer; (0, module) for a lone MoE layer."""
+    if hasattr(model, "layers"):
+        return [(block.layer_id, block.ffn) for block in model.layers if block.is_moe]
+    return [(0, m) for m in model.modules() if isinstance(m, MoE)]
+
+
 def apply_ep(model, dims, meshes, rank: int, dispatcher: str = "alltoall", dedup: bool = False,
-             debug: bool = False):
-    """Shards every MoE layer of `model` over ep and installs the chosen dispatcher; returns model."""
+             debug: bool = False, a2a_chunks: int = 1):
+    """Shards every MoE layer of `model` over ep and installs the chosen dispatcher (named by the
+    model's layer number in its errors); returns model. `a2a_chunks` > 1 pipelines groups of
+    local experts between the all-to-alls (alltoall dispatcher)."""
     if dispatcher not in DISPATCHERS:
         raise ValueError(f"parallel.dispatcher={dispatcher!r} is not one of {DISPATCHERS}")
     group = meshes.group("ep")
     ep_rank = dims.coords(rank).ep
-    moes = [m for m in model.modules() if isinstance(m, MoE)]
-    for layer_id, moe in enumerate(moes):
+    for layer_id, moe in _moe_layers(model):
         num_experts = moe.num_experts
         shard_experts(moe.experts, dims.ep, ep_rank)
         if dispatcher == "allgather":
@@ -56,5 +64,6 @@ def apply_ep(model, dims, meshes, rank: int, dispatcher: str = "alltoall", dedup
         elif dedup:
             moe.dispatcher = DedupAllToAllDispatcher(num_experts, group, layer_id, debug)
         else:
-            moe.dispatcher = AllToAllDispatcher(num_experts, group, layer_id, debug)
+            moe.dispatcher = AllToAllDispatcher(num_experts, group, layer_id, debug,
+                                                chunks=a2a_chunks)
     return model

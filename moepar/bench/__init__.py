@@ -46,6 +46,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--ep", type=int, default=1, help="expert-parallel processes (local, gloo)")
     p.add_argument("--a2a-chunks", type=int, default=1,
                    help="expert chunks pipelined between the all-to-alls (parallel.a2a_chunks)")
+    p.add_argument("--device", default="cpu", choices=["cpu", "cuda"],
+                   help="where the single-process layer runs (cuda: TFLOP/s and share of peak)")
     _timing_options(p)
     p = sub.add_parser("dispatch", help="bytes on the wire per EP dispatcher",
                        description="Each dispatcher over --ep local processes: bytes per token "
@@ -184,7 +186,7 @@ def main(argv: list[str]) -> int:
                 print_layer(result, args)
         return 0
     result = bench_moe_layer(args.tokens, args.dim, args.ffn_dim, args.experts, args.top_k,
-                             args.dtype, args.repeats, args.warmup)
+                             args.dtype, args.repeats, args.warmup, device=args.device)
     print(json.dumps(result)) if args.json else print_layer(result, args)
     return 0
 

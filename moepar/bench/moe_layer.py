@@ -66,14 +66,15 @@ def paired_ratio(times: dict, name: str, floor: str) -> float:
 
 
 def bench_moe_layer(tokens=4096, dim=512, ffn_dim=1024, experts=8, top_k=2, dtype="float32",
-                    repeats=11, warmup=2, seed=0) -> dict:
+                    repeats=11, warmup=2, seed=0, device="cpu") -> dict:
     torch.manual_seed(seed)
-    dt = DTYPES[dtype]
-    moe = MoE(dim, ffn_dim, experts, top_k, aux_loss_scale=1.0, balance_coeff=0.01).to(dt)
-    ideal = FeedForward(dim, ffn_dim).to(dt)
-    plain = PlainSwiGLU(dim, top_k * ffn_dim).to(dt)
-    x_TD = torch.randn(tokens, dim, dtype=dt, requires_grad=True)
-    x_rows = torch.randn(tokens * top_k, dim, dtype=dt, requires_grad=True)
+    dt, device = DTYPES[dtype], torch.device(device)
+    moe = MoE(dim, ffn_dim, experts, top_k, aux_loss_scale=1.0, balance_coeff=0.01).to(device, dt)
+    ideal = FeedForward(dim, ffn_dim).to(device, dt)
+    plain = PlainSwiGLU(dim, top_k * ffn_dim).to(device, dt)
+    x_TD = torch.randn(tokens, dim, dtype=dt, device=device, requires_grad=True)
+    x_rows = torch.randn(tokens * top_k, dim, dtype=dt, device=device, requires_grad=True)
+    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
     cases = {"moe": lambda: moe(x_TD).y.pow(2).mean().backward(),
              "plain": lambda: plain(x_TD).pow(2).mean().backward(),
              "ideal": lambda: ideal(x_rows).pow(2).mean().backward(),
@@ -84,14 +85,28 @@ def bench_moe_layer(tokens=4096, dim=512, ffn_dim=1024, experts=8, top_k=2, dtyp
         for name, fn in cases.items():
             for p in leaves:
                 p.grad = None
+            sync()
             start = time.perf_counter()
             fn()
+            sync()
             elapsed = time.perf_counter() - start
             if rep >= warmup:
                 times[name].append(elapsed * 1000)
     med = {name: statistics.median(ts) for name, ts in times.items()}
+    # Expert FLOPs of forward + backward: 3 x 2 x (T*k rows) x (D*2F + F*D) for SwiGLU.
+    flops = 18.0 * tokens * top_k * dim * ffn_dim
+    peak = None
+    if device.type == "cuda":
+        from moepar.bench.train import PEAK_TFLOPS
+        name = torch.cuda.get_device_name(device)
+        peak = next((v for k, v in PEAK_TFLOPS.items() if k in name), None)
+    tflops = {name: flops / (ms / 1000) / 1e12 for name, ms in med.items() if name != "naive"}
     return {"tokens": tokens, "dim": dim, "ffn_dim": ffn_dim, "experts": experts, "top_k": top_k,
-            "dtype": dtype, "threads": torch.get_num_threads(), "repeats": repeats,
+            "dtype": dtype, "device": str(device), "threads": torch.get_num_threads(),
+            "repeats": repeats, "expert_flops": flops,
+            "moe_tflops": tflops["moe"], "plain_tflops": tflops["plain"], "peak_tflops": peak,
+            "moe_fraction_of_peak": tflops["moe"] / peak if peak else None,
+            "plain_fraction_of_peak": tflops["plain"] / peak if peak else None,
             "malloc_tuning": os.environ.get("MOEPAR_MALLOC_TUNING", "1") != "0",
             "moe_ms": med["moe"], "plain_ms": med["plain"], "ideal_ms": med["ideal"],
             "naive_ms": med["naive"],
@@ -112,6 +127,12 @@ def print_layer(result: dict, args):
           f"(paired {result['paired_ratio_vs_plain']:.3f}), vs ideal {result['ratio_vs_ideal']:.3f} "
           f"(paired {result['paired_ratio_vs_ideal']:.3f})")
     print(f"  plain {result['plain_ms']:9.1f} ms   (T rows, nn.Linear SwiGLU of hidden k*ffn)")
+    if result.get("moe_tflops") is not None:
+        peak = result.get("peak_tflops")
+        share = (lambda v: f" = {100 * v / peak:.1f}% of the {peak:.0f} TFLOP/s bf16 peak"
+                 if peak else "")
+        print(f"  expert TFLOP/s: moe {result['moe_tflops']:.1f}{share(result['moe_tflops'])}; "
+              f"plain {result['plain_tflops']:.1f}{share(result['plain_tflops'])}")
     print(f"  ideal {result['ideal_ms']:9.1f} ms   (T*k rows, FeedForward of hidden ffn)")
     if "naive_ms" in result:
         print(f"  naive {result['naive_ms']:9.1f} ms   ratio vs plain {result['naive_ratio_vs_plain']:.3f}")

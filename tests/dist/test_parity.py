@@ -54,6 +54,9 @@ LAYOUTS = [
     (4, ["--parallel.pp=2", "--parallel.dp=2", "--parallel.zero=1"]),
     (4, ["--parallel.pp=2", "--parallel.ep=2", "--parallel.zero=2", "--parallel.bucket_mb=0.002"]),
     (4, ["--parallel.pp=2", "--parallel.ep=2", "--parallel.zero=3"]),
+    # Expert chunks pipelined between asynchronous all-to-alls: the blocking path's numbers.
+    (4, ["--parallel.ep=4", "--parallel.a2a_chunks=2"]),
+    (4, ["--parallel.pp=2", "--parallel.ep=2", "--parallel.a2a_chunks=4", "--parallel.zero=1"]),
     # A power-of-two loss scale (float16's mechanism) leaves float64 results as they are.
     (4, ["--parallel.pp=2", "--parallel.ep=2", "--train.loss_scale=1024"]),
 ]
