@@ -112,7 +112,7 @@ def config_layout(req: Request) -> Layout:
     p, t = req.base.parallel, req.base.train
     dp = p.dp or req.world // (p.pp * p.tp)
     return Layout(p.pp, p.pp_virtual, p.pp_schedule if p.pp > 1 else "1f1b", dp, p.tp, p.ep,
-                  p.zero, t.micro_batch_size, "full" if t.activation_checkpointing else "none",
+                  p.zero, t.micro_batch_size, t.recompute,
                   req.base.router.capacity_factor)
 
 

@@ -127,9 +127,10 @@ def rank_footprint(cfg, dims, rank: int, spec: ActSpec, *, num_micro: int, sched
     if spec.zero == 3 and num_micro > 1:   # unsharded until the last micro-batch's reduce
         out["grad_accum"] = elements * spec.r - static["grads"]
     if dims.world_size > 1:
-        # Flat gradient copies (ZeRO-0/2) pile up during the step's last backward while its
-        # activations are freed; what stays to the end is the first layer's backward (its
-        # recompute region and gradient buffer) and, in the local loop (pp = 1), the logits.
+        # Flat gradient copies (ZeRO-2, or a reduced-precision wire) pile up during the step's
+        # last backward while its activations are freed; what stays to the end is the first
+        # layer's backward (its recompute region and gradient buffer) and, in the local loop
+        # (pp = 1), the logits.
         # The peak is the larger of the two phases.
         dynamic = sum(out[k] for k in ("activations", "moe_dispatch", "recompute",
                                        "comm_buffers", "transient"))
@@ -146,9 +147,9 @@ def rank_footprint(cfg, dims, rank: int, spec: ActSpec, *, num_micro: int, sched
 def _sync_buffers(spec: ActSpec, elements: int, wire: int, num_layers: int) -> tuple:
     """Gradient-sync memory beyond the gradients: (flat copies alive when the step's reduction
     ends, buffers alive throughout)."""
-    if spec.zero in (0, 2):        # every bucket's flat copy lives until the reduction ends
+    if spec.zero == 2:             # every bucket's flat copy lives until the reduction ends
         return elements * wire, 0.0
-    if spec.zero == 1:             # the flat gradient buffer is the gradients (cast if wired)
+    if spec.zero in (0, 1):        # the flat gradient buffers are the gradients (cast if wired)
         return (elements * wire if wire != spec.r else 0.0), 0.0
     # ZeRO-3: the gathered parameters of the running block and the prefetched next one
     return 0.0, 2 * elements / max(num_layers, 1) * spec.a

@@ -35,7 +35,7 @@ How moepar plan chooses (each rule is a constraint of the search or a cost in it
    the micro-batches of a step.
 5. Recompute trades compute for activations: full recompute keeps each block's input only and
    adds one forward (about a third more compute); "attention" and "experts" rebuild only those
-   regions (planned: the trainer has none and full today).
+   regions (train.recompute).
 6. Under bfloat16 autocast every micro-batch in flight keeps its own bf16 copy of its stage's
    matmul weights (autocast casts them again in each forward, and backward needs them), unless
    ZeRO-3 gathers the weights in bf16 and frees them after forward, or full recompute drops

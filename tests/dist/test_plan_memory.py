@@ -146,7 +146,7 @@ def estimate(cfg, world: int, rank: int, load: tuple[float, float]) -> dict:
     p, t = cfg.parallel, cfg.train
     rows = [rows_per_rank(dims.ep, cfg.model.top_k, cfg.router.capacity_factor, f) for f in load]
     spec = ActSpec(t.micro_batch_size, t.seq_len, dims.tp, dims.ep, t.dtype, p.zero,
-                   "full" if t.activation_checkpointing else "none", rows[0], rows[1],
+                   t.recompute, rows[0], rows[1],
                    kernels="cpu")
     return rank_footprint(cfg, dims, rank, spec,
                           num_micro=t.global_batch_size // (t.micro_batch_size * dims.dp),
