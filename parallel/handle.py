@@ -74,6 +74,10 @@ class LocalRunner:
             if forward_only:
                 loss_sum += loss
                 continue
+            # Only statistics outlive the forward: the logits ([B, S, V], the largest activation)
+            # and the MoE outputs are not needed by backward and go before it runs.
+            outputs.append([_statistics_only(o) for o in moe_outputs])
+            del logits, moe_outputs
             backward = Action("B", 0, n)
             if before_action is not None:
                 before_action(backward)
@@ -81,7 +85,6 @@ class LocalRunner:
             if after_action is not None:
                 after_action(backward)
             loss_sum += loss.detach()
-            outputs.append([_statistics_only(o) for o in moe_outputs])
         return loss_sum, outputs
 
 

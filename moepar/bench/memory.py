@@ -64,7 +64,8 @@ def measure(trainer) -> dict:
     """Bytes this rank holds, with gradients as the optimizer step sees them (after the sync)."""
     from moepar.metrics import StepStats
     model, optimizer = trainer.model, trainer.optimizer
-    stats = StepStats(len(model.moe_layers()), trainer.cfg.model.num_experts, trainer.device)
+    stats = StepStats(len(trainer.engine.moe_layer_ids), trainer.cfg.model.num_experts,
+                      trainer.device)
     trainer.forward_backward(stats)
     params = list(model.parameters())
     grads = [p.grad for p in params]

@@ -110,7 +110,7 @@ def rank_footprint(cfg, dims, rank: int, spec: ActSpec, *, num_micro: int, sched
     # recompute) while writing its gradients: the larger of the two on top of what is saved.
     region = max((v["recompute"] for v in per_kind.values()), default=0.0)
     grad = max((v["grad"] for v in per_kind.values()), default=0.0)
-    held = spec.tokens * -(-model.vocab_size // spec.tp) * spec.a if last and dims.pp == 1 else 0
+    held = 0.0      # the local loop drops the logits before backward, as the pipeline does
     loss = _loss_working_set(model, spec, dims.pp) if last else 0.0
     # The micro-batch being backwarded has freed its loss (and head) by the time its layers run.
     head_one = head["saved"] + head["weights"]
@@ -129,9 +129,8 @@ def rank_footprint(cfg, dims, rank: int, spec: ActSpec, *, num_micro: int, sched
     if dims.world_size > 1:
         # Flat gradient copies (ZeRO-2, or a reduced-precision wire) pile up during the step's
         # last backward while its activations are freed; what stays to the end is the first
-        # layer's backward (its recompute region and gradient buffer) and, in the local loop
-        # (pp = 1), the logits.
-        # The peak is the larger of the two phases.
+        # layer's backward (its recompute region and gradient buffer). The peak is the larger
+        # of the two phases.
         dynamic = sum(out[k] for k in ("activations", "moe_dispatch", "recompute",
                                        "comm_buffers", "transient"))
         flats, gathered = _sync_buffers(spec, elements, wire_bytes or spec.r, len(layers))
@@ -157,10 +156,8 @@ def _sync_buffers(spec: ActSpec, elements: int, wire: int, num_layers: int) -> t
 
 def _loss_working_set(model, spec: ActSpec, pp: int) -> float:
     """The loss's backward on the last stage: fp32 gradients of the log-softmax and of the
-    logits (one with the vocabulary-parallel loss), the cast back under autocast, and at pp = 1
-    the logits the local loop still holds."""
+    logits (one with the vocabulary-parallel loss), and the cast back under autocast."""
     Vl = -(-model.vocab_size // spec.tp)
     grads = 2 if spec.tp == 1 else 1
     width = grads * max(spec.r, 4) + (spec.a if spec.autocast else 0)
-    width += spec.a if pp == 1 else 0
     return spec.tokens * Vl * width
