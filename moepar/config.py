@@ -326,13 +326,16 @@ def _convert(key: str, value, hint):
     raise ValueError(f"{key}={value!r} is not a valid {kind}")
 
 
-def _build(tree: dict, source: str) -> RunConfig:
+def _build(tree: dict, source: str, overridden: set = frozenset()) -> RunConfig:
+    """The RunConfig of `tree`; errors name where each key came from: the `source` file, or the
+    command line for the (section, key) pairs in `overridden`."""
     sections = {f.name: f.type for f in dataclasses.fields(RunConfig)}
     hints = typing.get_type_hints(RunConfig)
     built = {}
     for name, values in tree.items():
         if name not in sections:
-            raise ValueError(f"{source}: unknown config section [{name}]; allowed: "
+            where = "command line" if any(s == name for s, _ in overridden) else source
+            raise ValueError(f"{where}: unknown config section [{name}]; allowed: "
                              f"{', '.join(sections)}")
         if not isinstance(values, dict):
             raise ValueError(f"{source}: [{name}] must be a table of key = value")
@@ -341,7 +344,8 @@ def _build(tree: dict, source: str) -> RunConfig:
         kwargs = {}
         for key, value in values.items():
             if key not in field_hints:
-                raise ValueError(f"{source}: unknown config key '{name}.{key}'; allowed keys in "
+                where = "command line" if (name, key) in overridden else source
+                raise ValueError(f"{where}: unknown config key '{name}.{key}'; allowed keys in "
                                  f"[{name}]: {', '.join(field_hints)}")
             kwargs[key] = _convert(f"{name}.{key}", value, field_hints[key])
         built[name] = cls(**kwargs)
@@ -401,12 +405,14 @@ def load_config(path: str | None = None, overrides: list[str] = ()) -> RunConfig
             raise ValueError(f"config file {path!r} does not exist") from None
         except tomllib.TOMLDecodeError as e:
             raise ValueError(f"config file {path!r} is not valid TOML: {e}") from None
+    overridden = set()
     for section, values in parse_overrides(list(overrides)).items():
         if not isinstance(tree.get(section, {}), dict):
             raise ValueError(f"[{section}] must be a table")
         tree.setdefault(section, {}).update(values)
+        overridden |= {(section, key) for key in values}
     try:
-        return _build(tree, path or "config")
+        return _build(tree, path or "command line", overridden)
     except ValueError as e:
         raise ValueError(str(e)) from None
 

@@ -383,3 +383,15 @@ def test_non_finite_or_out_of_range_numbers_refused(override, key):
 def test_backend_device_mismatch_refused(overrides, named):
     with pytest.raises(ValueError, match=f"parallel.backend='{named}'"):
         load_config(None, overrides)
+
+
+def test_errors_name_where_the_key_came_from(tmp_path):
+    path = tmp_path / "run.toml"
+    path.write_text("[model]\ndimm = 3\n")
+    with pytest.raises(ValueError, match=rf"^{re.escape(str(path))}: unknown config key 'model.dimm'"):
+        load_config(str(path))
+    path.write_text("[model]\ndim = 32\n")
+    with pytest.raises(ValueError, match=r"^command line: unknown config key 'model.dimm'"):
+        load_config(str(path), ["--model.dimm=3"])
+    with pytest.raises(ValueError, match=r"^command line: unknown config section \[modle\]"):
+        load_config(str(path), ["--modle.dim=3"])
