@@ -89,9 +89,16 @@ def launch(nproc: int, argv: list[str], run_dir: str | None = None) -> int:
         if e.sigval == signal.SIGTERM and run_dir and _saved_for_preemption(run_dir, started):
             print("moepar: SIGTERM: the workers saved a checkpoint and stopped; continue with "
                   "--run.resume=true", file=sys.stderr)
-            return EXIT_PREEMPTED
-        print(f"moepar: stopped by {signal.Signals(e.sigval).name}", file=sys.stderr)
-        return 128 + int(e.sigval)
+            code = EXIT_PREEMPTED
+        else:
+            print(f"moepar: stopped by {signal.Signals(e.sigval).name}", file=sys.stderr)
+            code = 128 + int(e.sigval)
+        # After a signal torch's agent leaves its rendezvous store running (on purpose, for
+        # elastic restarts); its C++ threads make the interpreter's exit abort now and then
+        # ("terminate called without an active exception", SIGABRT), so leave directly.
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)
     return 0
 
 
