@@ -7,16 +7,16 @@ with torch's own elastic launcher (what `torchrun` runs); under `torchrun` (or a
 sets RANK and WORLD_SIZE) the process joins the given world instead. Workers started by torch's
 launcher die with it (Linux: PR_SET_PDEATHSIG), so a killed launcher leaves no orphans.
 
-| exit | meaning                                                                           |
-|------|-----------------------------------------------------------------------------------|
-| 0    | trained to train.steps (the last step is saved)                                   |
-| 1    | failed: a worker error, an unreadable checkpoint or data file, a timeout          |
-| 2    | refused to start, nothing changed: config error, run.dir in use or holding another |
-|      | run, nothing to resume, a resume that would change the run                        |
-| 3    | diverged: non-finite loss or grad norm for more than train.max_skipped_steps      |
-|      | steps in a row (or once with on_nonfinite='stop'), or non-finite parameters       |
-| 75   | preempted: SIGTERM, every rank finished the same step and saved it (EX_TEMPFAIL:  |
-|      | requeue and continue with --run.resume=true)                                      |
+| exit | meaning                                                                        |
+|------|--------------------------------------------------------------------------------|
+| 0    | trained to train.steps (the last step is saved)                                |
+| 1    | failed: a worker error, an unreadable checkpoint or data file, a timeout       |
+| 2    | refused to start, nothing changed: a config error, run.dir in use or holding   |
+|      | another run, nothing to resume, a resume that would change the run             |
+| 3    | diverged: non-finite loss or grad norm for more than train.max_skipped_steps   |
+|      | steps in a row (or once with on_nonfinite='stop'), or non-finite parameters    |
+| 75   | preempted: SIGTERM; every rank finished the same step and saved it (75 is      |
+|      | EX_TEMPFAIL: requeue, and continue with --run.resume=true)                     |
 """
 
 import argparse
@@ -244,6 +244,9 @@ def main(argv: list[str]) -> int:
         except RunDirError as e:
             print(f"moepar: {e}", file=sys.stderr)
             return EXIT_REFUSED
+        if not lock.supported:
+            print(f"moepar: warning: run.dir={cfg.run.dir!r} does not support file locks "
+                  f"({lock.error}): nothing stops a second run from using it", file=sys.stderr)
         try:
             return launch(args.nproc, ["train", *argv], cfg.run.dir)
         finally:
