@@ -22,6 +22,13 @@ handle's map (parallel/shards.py), so:
   hashed blocks those reads touch (and every small file), agrees with all ranks, and only then
   copies the intersections in: all ranks load, or all raise the same CheckpointError.
 Host memory holds one box (or one stored piece's intersection) at a time. No pickle anywhere.
+
+Nothing here deletes or replaces a folder it did not just write: a save never replaces an
+existing step_N, and what a crash left behind is set aside as `step_N.incomplete-<time>` (under
+the run lock, see moepar/rundir.py). Deleting is for pruning (run.keep_checkpoints) and an asked
+overwrite: the folder is renamed away at once and removed by a background thread, so the other
+ranks never wait in a collective while one rank deletes. A save whose boxes hold NaN or Inf is
+refused on every rank and nothing is committed.
 """
 
 import json
@@ -29,6 +36,8 @@ import math
 import os
 import re
 import shutil
+import threading
+import time
 
 import torch
 import torch.distributed as dist
@@ -39,7 +48,8 @@ from moepar.tensorfile import (DTYPES, TensorFileError, box_bytes, check_blocks,
 
 __all__ = ["save_checkpoint", "PendingSave", "load_checkpoint", "latest_checkpoint", "complete_steps",
            "verify_checkpoint", "commit", "recover_interrupted", "checkpoint_step",
-           "CheckpointError", "read_canonical", "canonical_names", "read_state"]
+           "CheckpointError", "read_canonical", "canonical_names", "read_state", "discard",
+           "set_aside"]
 
 MANIFEST, INDEX, STATE = "manifest.json", "index.json", "state.json"
 FORMAT = 2
@@ -159,11 +169,13 @@ class PendingSave:
         self.final = os.path.join(ckpt_root, f"step_{step}")
         self.tmp = os.path.join(ckpt_root, f".step_{step}.tmp")
         if layout.rank == 0:
-            shutil.rmtree(self.tmp, ignore_errors=True)
+            if os.path.exists(self.tmp):     # a failed save of this step earlier in this process
+                set_aside(self.tmp)
             os.makedirs(self.tmp)
         _barrier(layout)
         self.files, self.written = self._plan(background)
         self.error, self.thread = None, None
+        self.discarding = []     # deletions this save started (pruning), for the caller to join
         if background:
             self.thread = threading.Thread(target=self._write, name=f"checkpoint-{step}",
                                            daemon=True)
@@ -207,7 +219,7 @@ class PendingSave:
             for file, entries in self.files.items():
                 if entries:
                     self.written["files"][file] = write_tensors(os.path.join(self.tmp, file),
-                                                                entries)
+                                                                entries, check=_check_finite)
         except Exception as e:   # reported by finish(), on every rank, through rank 0
             self.error = f"rank {self.engine.layout.rank} could not write its checkpoint files: {e}"
         self.files = None        # the snapshot goes as soon as it is on disk
@@ -238,8 +250,14 @@ class PendingSave:
                 for name, obj in ((INDEX, index), (STATE, self.state)):
                     with open(os.path.join(self.tmp, name), "w") as f:
                         json.dump(obj, f, indent=1, sort_keys=True)
-                commit(self.tmp, self.final, step, _world(layout), known_hashes=hashes)
-                self._prune()
+                try:
+                    commit(self.tmp, self.final, step, _world(layout), known_hashes=hashes)
+                    self._prune()
+                except (OSError, CheckpointError) as e:
+                    error = f"checkpoint step {step} could not be committed: {e}"
+            if error and os.path.isdir(self.tmp):
+                # this save's own folder: nothing of it is committed
+                self.discarding.append(discard(self.tmp))
         error = _broadcast(layout, error)
         if error:
             raise CheckpointError(error)
@@ -252,17 +270,38 @@ class PendingSave:
             return
         older = [s for s in complete_steps(self.root) if s < self.step]
         for old_step in older[:max(len(older) - (self.keep - 1), 0)]:
-            shutil.rmtree(os.path.join(self.root, f"step_{old_step}"), ignore_errors=True)
+            self.discarding.append(discard(os.path.join(self.root, f"step_{old_step}")))
 
 
-def _volume_ok(pieces: list, shape) -> bool:
-    """The pieces tile a tensor of `shape`: inside it, pairwise disjoint, volumes summing up."""
+def _check_finite(key: str, tensor: torch.Tensor):
+    """Refuses to write NaN or Inf (a diverged model is not a checkpoint)."""
+    if tensor.is_floating_point() and tensor.numel() and not bool(torch.isfinite(tensor).all()):
+        raise CheckpointError(f"{key!r} holds non-finite values (NaN or Inf); a checkpoint "
+                              "of a diverged model is not written")
+
+
+def _is_shape(shape) -> bool:
+    return isinstance(shape, list) and all(type(n) is int and n >= 0 for n in shape)
+
+
+def _is_piece(piece, ndim: int) -> bool:
+    """A stored piece's index entry has the fields and types a reader relies on."""
+    return (isinstance(piece, dict) and isinstance(piece.get("file"), str)
+            and isinstance(piece.get("key"), str)
+            and all(_is_shape(piece.get(k)) and len(piece[k]) == ndim
+                    for k in ("offsets", "sizes")))
+
+
+def _volume_ok(pieces: list, shape, check_overlap: bool = True) -> bool:
+    """The pieces tile a tensor of `shape`: inside it, pairwise disjoint, volumes summing up.
+    (The pairwise test is quadratic: readers skip it for tensors cut into very many pieces,
+    where inside-and-summing-up still refuses a damaged index.)"""
     boxes = [(p["offsets"], p["sizes"]) for p in pieces]
     for offsets, sizes in boxes:
         if len(offsets) != len(shape) or any(o < 0 or o + n > d for o, n, d in
                                              zip(offsets, sizes, shape)):
             return False
-    for i, (a_off, a_size) in enumerate(boxes):
+    for i, (a_off, a_size) in enumerate(boxes if check_overlap else []):
         for b_off, b_size in boxes[i + 1:]:
             if all(max(ao, bo) < min(ao + an, bo + bn)
                    for ao, an, bo, bn in zip(a_off, a_size, b_off, b_size)):
@@ -307,9 +346,10 @@ def commit(tmp: str, final: str, step: int, world_size: int = 1, known_hashes: d
     tmp to final atomically.
 
     `known_hashes` are files other ranks wrote and hashed themselves (a shared filesystem may not
-    list them here yet); the rest of tmp is hashed here. An existing `final` is moved aside only
-    once the new directory is whole, and removed after.
+    list them here yet); the rest of tmp is hashed here. An existing `final` is never replaced.
     """
+    if os.path.exists(final):
+        raise CheckpointError(f"{final} already exists; a checkpoint is never replaced")
     files = dict(known_hashes or {})
     for name in sorted(os.listdir(tmp)):
         if name not in files:
@@ -320,14 +360,7 @@ def commit(tmp: str, final: str, step: int, world_size: int = 1, known_hashes: d
         json.dump(manifest, f, indent=1, sort_keys=True)
         f.flush()
         os.fsync(f.fileno())
-    if os.path.exists(final):
-        old = final + ".old"
-        shutil.rmtree(old, ignore_errors=True)
-        os.rename(final, old)
-        os.rename(tmp, final)
-        shutil.rmtree(old, ignore_errors=True)
-    else:
-        os.rename(tmp, final)
+    os.rename(tmp, final)
     fd = os.open(os.path.dirname(os.path.abspath(final)), os.O_RDONLY)
     try:
         os.fsync(fd)
@@ -350,11 +383,14 @@ def complete_steps(ckpt_root: str) -> list[int]:
 
 
 def recover_interrupted(ckpt_root: str) -> list[str]:
-    """Finishes or discards what a crash during `commit` left behind; returns what it did.
+    """Finishes or sets aside what a crash left behind; returns what it did. Call it only while
+    holding the run lock (moepar/rundir.py): another live run's `.step_N.tmp` is not debris.
 
     `.step_N.tmp` with a manifest was complete (the manifest is written last) but not renamed:
-    it becomes step_N. `step_N.old` without step_N was a re-save caught between its two renames:
-    it becomes step_N again. Temporary directories without a manifest are deleted.
+    it becomes step_N. `step_N.old` without step_N (left by an older moepar's re-save) becomes
+    step_N again. A `.step_N.tmp` without a manifest, and a `step_N` without one, are moved aside
+    as `step_N.incomplete-<time>`, never deleted. Folders this module marked for deletion
+    (`.discard-*`) are removed in the background.
     """
     done = []
     if not os.path.isdir(ckpt_root):
@@ -363,31 +399,75 @@ def recover_interrupted(ckpt_root: str) -> list[str]:
         path = os.path.join(ckpt_root, name)
         tmp = re.match(r"^\.step_(\d+)\.tmp$", name)
         old = re.match(r"^step_(\d+)\.old$", name)
+        step = _STEP_DIR.match(name)
         if tmp:
             final = os.path.join(ckpt_root, f"step_{tmp.group(1)}")
             if os.path.isfile(os.path.join(path, MANIFEST)) and not os.path.exists(final):
                 os.rename(path, final)
                 done.append(f"committed {name} as step_{tmp.group(1)}")
             else:
-                shutil.rmtree(path, ignore_errors=True)
-                done.append(f"removed incomplete {name}")
-        elif old:
-            final = os.path.join(ckpt_root, f"step_{old.group(1)}")
-            if os.path.exists(final):
-                shutil.rmtree(path, ignore_errors=True)
-            else:
-                os.rename(path, final)
-                done.append(f"restored {name} as step_{old.group(1)}")
+                done.append(f"set aside incomplete {name} as {os.path.basename(set_aside(path))}")
+        elif step and os.path.isdir(path) and not os.path.isfile(os.path.join(path, MANIFEST)):
+            done.append(f"set aside {name}, which has no {MANIFEST}, as "
+                        f"{os.path.basename(set_aside(path))}")
+        elif old and not os.path.exists(os.path.join(ckpt_root, f"step_{old.group(1)}")):
+            os.rename(path, os.path.join(ckpt_root, f"step_{old.group(1)}"))
+            done.append(f"restored {name} as step_{old.group(1)}")
+        elif name.startswith(".discard-"):
+            _delete_in_background(path)
     return done
+
+
+def _stamp() -> str:
+    return time.strftime("%Y%m%dT%H%M%S")
+
+
+def _free_name(path: str) -> str:
+    """`path`, or `path-2`, `path-3`, ... whichever does not exist yet."""
+    candidate, n = path, 1
+    while os.path.exists(candidate):
+        n += 1
+        candidate = f"{path}-{n}"
+    return candidate
+
+
+def set_aside(path: str) -> str:
+    """Renames a step folder that is not a whole checkpoint to `step_N.incomplete-<time>` beside
+    it (kept for the user to inspect or delete); returns the new path."""
+    base = os.path.basename(path.rstrip("/"))
+    m = re.match(r"^\.?(step_\d+)", base)
+    new = _free_name(os.path.join(os.path.dirname(path), f"{m.group(1) if m else base}"
+                                                         f".incomplete-{_stamp()}"))
+    os.rename(path, new)
+    return new
+
+
+def _delete_in_background(path: str) -> threading.Thread:
+    thread = threading.Thread(target=shutil.rmtree, args=(path,), kwargs={"ignore_errors": True},
+                              name=f"discard-{os.path.basename(path)}", daemon=True)
+    thread.start()
+    return thread
+
+
+def discard(path: str) -> threading.Thread:
+    """Deletes a folder this run owns (pruned or overwritten checkpoints, a failed save of its
+    own): renamed to `.discard-<name>-<time>` at once, so it is gone from every listing, then
+    removed by a background thread. A crash mid-way leaves the `.discard-` folder, which the
+    next start's recovery removes."""
+    root, name = os.path.split(path.rstrip("/"))
+    hidden = _free_name(os.path.join(root, f".discard-{name.lstrip('.')}-{_stamp()}"))
+    os.rename(path, hidden)
+    return _delete_in_background(hidden)
 
 
 def checkpoint_step(path: str) -> int | None:
     """The step a committed checkpoint directory holds (from its manifest), or None."""
     try:
         with open(os.path.join(path, MANIFEST)) as f:
-            return int(json.load(f)["step"])
+            step = json.load(f)["step"]
     except (OSError, ValueError, KeyError, TypeError):
         return None
+    return step if type(step) is int and step >= 0 else None
 
 
 def latest_checkpoint(ckpt_root: str) -> str | None:
@@ -411,12 +491,19 @@ class _Checkpoint:
                 manifest = json.load(f)
             self.files = dict(manifest["files"])
             self.world_size = int(manifest.get("world_size", 0))
+            self.step = manifest.get("step")
         except (ValueError, KeyError, TypeError, OSError) as e:
             raise CheckpointError(f"checkpoint {path!r}: {MANIFEST} is unreadable ({e})") from None
+        for name in self.files:     # names only: nothing outside the folder is ever opened
+            if not isinstance(name, str) or os.path.basename(name) != name or name in ("", ".", ".."):
+                raise CheckpointError(f"checkpoint {path!r}: {MANIFEST} lists {name!r}, which is "
+                                      "not a file name inside the checkpoint")
         self.index = self._json(INDEX)
         self.state = self._json(STATE)
         if not isinstance(self.index, dict) or not isinstance(self.index.get("model"), dict):
             raise CheckpointError(f"checkpoint {path!r}: {INDEX} has no 'model' section")
+        if not isinstance(self.state, dict):
+            raise CheckpointError(f"checkpoint {path!r}: {STATE} is not a JSON object")
         self.headers = {}
 
     def _json(self, name: str):
@@ -460,10 +547,15 @@ class _Checkpoint:
             return shape, [{"file": entry, "key": name, "offsets": [0] * len(shape),
                             "sizes": shape}]
         try:
-            return list(entry["shape"]), list(entry["pieces"])
+            shape, pieces = list(entry["shape"]), list(entry["pieces"])
         except (KeyError, TypeError):
             raise CheckpointError(f"checkpoint {self.path!r}: {INDEX} entry {name!r} is "
                                   "malformed") from None
+        if not _is_shape(shape) or not all(_is_piece(p, len(shape)) for p in pieces) or \
+                not _volume_ok(pieces, shape, check_overlap=len(pieces) <= 256):
+            raise CheckpointError(f"checkpoint {self.path!r}: {INDEX} entry {name!r} has pieces "
+                                  f"that do not tile its shape {shape!r} (malformed or damaged)")
+        return shape, pieces
 
     def stored(self, piece: dict, want_dtype: torch.dtype, name: str):
         """(file, header entry, data start) of a piece, checked against its index entry."""
@@ -574,21 +666,42 @@ def load_checkpoint(path: str, target, optimizer: bool = False, restore_rng: boo
                                       lambda lt, seg: f"{lt.name.split('/', 1)[0]}/{seg.name}")
             steps = {key: (t, _step_name(moments, key)) for key, t in steps.items()}
         _check_reads(ckpt, model_reads + optim_reads)
-        rng = f"rng-r{layout.rank:05d}.safetensors"
-        restore_rng = restore_rng and ckpt.world_size == _world(layout) and rng in ckpt.files
-        if restore_rng:
-            ckpt.verify(rng)
+        _check_state(ckpt)
+        # The small reads happen now too: nothing changes until every rank has read everything.
+        steps = [(tensor, _read_scalar(ckpt, name)) for tensor, name in steps.values()]
+        rng_states = None
+        if restore_rng and ckpt.world_size == _world(layout):
+            rng_states = _read_rng(ckpt, f"rng-r{layout.rank:05d}.safetensors")
     except CheckpointError as e:
         error = str(e)
     errors = [e for e in _everyone(layout, error) if e]
     if errors:
         raise CheckpointError(errors[0])
     _apply_reads(ckpt, model_reads + optim_reads)
-    for tensor, name in steps.values():
-        tensor.fill_(_read_scalar(ckpt, name))
-    if restore_rng:
-        _restore_rng(os.path.join(path, rng))
+    for tensor, value in steps:
+        tensor.fill_(value)
+    if rng_states is not None:
+        torch.set_rng_state(rng_states["torch_cpu"])
+        if "torch_cuda" in rng_states and torch.cuda.is_available():
+            torch.cuda.set_rng_state(rng_states["torch_cuda"])
     return state
+
+
+_MAX_COUNT = 1 << 53        # a step or data position beyond this is damage, not a long run
+
+
+def _check_state(ckpt: _Checkpoint):
+    """state.json's step and data position: whole numbers in range, the step the manifest's."""
+    for key in ("step", "data_position"):
+        value = ckpt.state.get(key)
+        if key not in ckpt.state and key == "data_position":
+            continue
+        if type(value) is not int or not 0 <= value < _MAX_COUNT:
+            raise CheckpointError(f"checkpoint {ckpt.path!r}: {STATE} has {key}={value!r}, not "
+                                  f"a whole number in [0, 2**53)")
+    if ckpt.step is not None and ckpt.step != ckpt.state["step"]:
+        raise CheckpointError(f"checkpoint {ckpt.path!r}: {STATE} says step "
+                              f"{ckpt.state['step']}, {MANIFEST} says {ckpt.step!r}")
 
 
 def _step_name(moments, key: str) -> str | None:
@@ -598,20 +711,43 @@ def _step_name(moments, key: str) -> str | None:
 
 
 def _read_scalar(ckpt: _Checkpoint, name: str | None) -> float:
+    """An AdamW step count: a whole number >= 0 (refused otherwise)."""
     if name is None:     # a shard holding only padding: any step count (they are all equal)
-        name = next(n for n in ckpt.index.get("optimizer", {}) if n.startswith("step/"))
-    _, pieces = ckpt.entry("optimizer", name)
+        name = next((n for n in ckpt.index.get("optimizer", {}) if n.startswith("step/")), None)
+        if name is None:
+            raise CheckpointError(f"checkpoint {ckpt.path!r} holds no optimizer step counts")
+    shape, pieces = ckpt.entry("optimizer", name)
+    if shape != [] or len(pieces) != 1:
+        raise CheckpointError(f"checkpoint {ckpt.path!r}: {name} is not one scalar")
     file, entry, start = ckpt.stored(pieces[0], torch.float32, name)
     ckpt.verify(file, [box_bytes(entry, start, [], [])])
-    return float(read_box(os.path.join(ckpt.path, file), entry, start, [], []))
+    value = float(read_box(os.path.join(ckpt.path, file), entry, start, [], []))
+    if not (math.isfinite(value) and value >= 0 and value == int(value)):
+        raise CheckpointError(f"checkpoint {ckpt.path!r}: {name} = {value}, not a step count")
+    return value
 
 
-def _restore_rng(path: str):
-    header, start = read_header(path)
-    states = {k: read_box(path, e, start, [0], e["shape"]) for k, e in header.items()}
-    torch.set_rng_state(states["torch_cpu"])
-    if "torch_cuda" in states and torch.cuda.is_available():
-        torch.cuda.set_rng_state(states["torch_cuda"])
+def _read_rng(ckpt: _Checkpoint, file: str) -> dict:
+    """This rank's RNG states, hash-checked and shaped like this process's own."""
+    if file not in ckpt.files:
+        raise CheckpointError(f"checkpoint {ckpt.path!r}: {file} is not listed in {MANIFEST} "
+                              "(a resume on the same number of ranks restores every rank's RNG)")
+    ckpt.verify(file)
+    header, start = ckpt.header(file)
+    want = {"torch_cpu": torch.get_rng_state()}
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        want["torch_cuda"] = torch.cuda.get_rng_state()
+    states = {}
+    for key, entry in header.items():
+        if key not in ("torch_cpu", "torch_cuda") or entry["dtype"] != "U8" or \
+                len(entry["shape"]) != 1 or (key in want and entry["shape"][0] != want[key].numel()):
+            raise CheckpointError(f"checkpoint {ckpt.path!r}: {file} holds {key!r} as "
+                                  f"{entry['dtype']} {entry['shape']}, not an RNG state of "
+                                  "this torch")
+        states[key] = read_box(os.path.join(ckpt.path, file), entry, start, [0], entry["shape"])
+    if "torch_cpu" not in states:
+        raise CheckpointError(f"checkpoint {ckpt.path!r}: {file} lacks the CPU RNG state")
+    return states
 
 
 def verify_checkpoint(path: str) -> dict:

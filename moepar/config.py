@@ -111,6 +111,7 @@ class TrainConfig:
     device: str = "auto"           # auto (cuda:LOCAL_RANK when CUDA is available, else cpu), cpu, cuda
     seed: int = 0
     on_nonfinite: str = "skip"     # NaN/Inf loss or grad norm: "skip" the step or "stop" the run
+    max_skipped_steps: int = 5     # more consecutive skipped steps than this: the run has diverged, stop
 
     def __post_init__(self):
         for name in ("steps", "micro_batch_size", "global_batch_size", "seq_len"):
@@ -132,6 +133,8 @@ class TrainConfig:
             self.recompute = "full"
         if self.on_nonfinite not in ("skip", "stop"):
             raise ValueError(f"train.on_nonfinite={self.on_nonfinite!r} is not one of 'skip', 'stop'")
+        if self.max_skipped_steps < 0:
+            raise ValueError(f"train.max_skipped_steps={self.max_skipped_steps} must be >= 0")
         check_number("train.lr", self.lr, strict=True)
         if not 0 <= self.min_lr_ratio <= 1:
             raise ValueError(f"train.min_lr_ratio={self.min_lr_ratio} must be in [0, 1]")
@@ -217,7 +220,8 @@ class OutputConfig:
     resume: bool = False          # continue from the newest checkpoint in dir/checkpoints
     resume_from: str = ""         # or from this checkpoint directory
     init_from: str = ""           # start from these weights (e.g. a converted HF model): step 0, new optimizer
-    overwrite: bool = False       # allow a fresh run in a dir that already holds checkpoints
+    overwrite: bool = False       # allow a fresh run in a dir that holds a previous run (its checkpoints go)
+    allow_changes: list[str] = field(default_factory=list)  # resume: config keys that may differ from the checkpoint's
     async_checkpoint: bool = False  # copy to host memory, write in the background while training
     tensorboard: bool = True
     tb_image_every: int = 10      # steps between TensorBoard load heatmaps (and step 1); 0: none
@@ -244,6 +248,7 @@ class RunConfig:
     run: OutputConfig = field(default_factory=OutputConfig)
 
     def __post_init__(self):
+        self.run.allow_changes = config_keys(self.run.allow_changes, "run.allow_changes")
         if self.model.num_experts % self.parallel.ep:
             raise ValueError(f"model.num_experts={self.model.num_experts} must be divisible by "
                              f"parallel.ep={self.parallel.ep}")
@@ -275,6 +280,24 @@ class RunConfig:
         if self.data.source in ("builtin", "text") and self.model.vocab_size < 256:
             raise ValueError(f"model.vocab_size={self.model.vocab_size} must be >= 256 for the "
                              f"byte-level tokenizer (data.source={self.data.source!r})")
+
+
+def config_keys(names: list[str], what: str) -> list[str]:
+    """Full 'section.key' names for `names`, each 'section.key' or a bare key that names one field
+    of one section ('top_k' -> 'model.top_k'); ValueError naming `what` otherwise."""
+    hints = typing.get_type_hints(RunConfig)
+    known = [f"{s}.{f.name}" for s in hints for f in dataclasses.fields(hints[s])]
+    out = []
+    for name in names:
+        name = name.strip()
+        matches = [name] if name in known else [k for k in known if k.split(".", 1)[1] == name]
+        if len(matches) != 1:
+            hint = (f"it could be {', '.join(matches)}" if matches
+                    else "keys are written section.key, e.g. train.seed")
+            raise ValueError(f"{what}: {name!r} is not {'one' if matches else 'a'} config key "
+                             f"({hint})")
+        out.append(matches[0])
+    return out
 
 
 # ---- loading -------------------------------------------------------------------------------

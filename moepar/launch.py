@@ -2,17 +2,34 @@
 
     moepar train CONFIG.toml [--nproc N] [--section.key=value ...]
 
-`--nproc N` validates the config for N ranks, then starts N local workers with torch's own
-elastic launcher (what `torchrun` runs); under `torchrun` (or any launcher that sets RANK and
-WORLD_SIZE) the process joins the given world instead.
+`--nproc N` validates the config for N ranks, takes run.dir's lock, then starts N local workers
+with torch's own elastic launcher (what `torchrun` runs); under `torchrun` (or any launcher that
+sets RANK and WORLD_SIZE) the process joins the given world instead. Workers started by torch's
+launcher die with it (Linux: PR_SET_PDEATHSIG), so a killed launcher leaves no orphans.
+
+| exit | meaning                                                                        |
+|------|--------------------------------------------------------------------------------|
+| 0    | trained to train.steps (the last step is saved)                                |
+| 1    | failed: a worker error, an unreadable checkpoint or data file, a timeout       |
+| 2    | refused to start, nothing changed: a config error, run.dir in use or holding   |
+|      | another run, nothing to resume, a resume that would change the run             |
+| 3    | diverged: non-finite loss or grad norm for more than train.max_skipped_steps   |
+|      | steps in a row (or once with on_nonfinite='stop'), or non-finite parameters    |
+| 75   | preempted: SIGTERM; every rank finished the same step and saved it (75 is      |
+|      | EX_TEMPFAIL: requeue, and continue with --run.resume=true)                     |
 """
 
 import argparse
 import os
+import signal
 import sys
+import time
 
 __all__ = ["main", "launch", "end_process_group", "build_parser", "select_device",
-           "device_index", "init_process_group"]
+           "device_index", "init_process_group", "die_with_launcher", "timeout_for_new_groups",
+           "EXIT_FAILED", "EXIT_REFUSED", "EXIT_DIVERGED", "EXIT_PREEMPTED"]
+
+EXIT_FAILED, EXIT_REFUSED, EXIT_DIVERGED, EXIT_PREEMPTED = 1, 2, 3, 75
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -41,24 +58,85 @@ def _parse(argv: list[str]):
     return args, overrides
 
 
-def launch(nproc: int, argv: list[str]) -> int:
-    """Runs `moepar <argv>` in nproc local workers with torch's elastic launcher (torchrun's).
+def launch(nproc: int, argv: list[str], run_dir: str | None = None) -> int:
+    """Runs `moepar <argv>` in nproc local workers with torch's elastic launcher (torchrun's);
+    returns the exit code the workers agree on (table above), else 1.
 
     The worker's arguments are handed over after parsing, never parsed by the launcher, so a
     worker option that looks like one of the launcher's (`--virtual` vs `--virtual-local-rank`)
-    cannot be taken by it.
+    cannot be taken by it. On SIGTERM the launcher forwards it to the workers and waits for them
+    (TORCH_ELASTIC_SHUTDOWN_TIMEOUT seconds, 30 by default, then SIGKILL); it exits 75 when they
+    saved a checkpoint for it (found in `run_dir`), else 128 + the signal.
     """
+    from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.run import get_args_parser, run
     args = get_args_parser().parse_args(["--standalone", f"--nproc_per_node={nproc}",
                                          "--module", "moepar"])
     args.training_script_args = list(argv)
+    from moepar.rundir import LAUNCHER_ENV
+    os.environ[LAUNCHER_ENV] = str(os.getpid())    # the workers' rank 0: "your launcher holds it"
+    started = time.time()
     try:
         run(args)
     except ChildFailedError as e:
+        codes = {failure.exitcode for failure in e.failures.values()}
+        if len(codes) == 1 and codes <= {EXIT_REFUSED, EXIT_DIVERGED, EXIT_PREEMPTED}:
+            return codes.pop()       # every failed worker said the same (they agree by design)
         print(f"moepar: a worker failed:\n{e}", file=sys.stderr)
-        return 1
+        return EXIT_FAILED
+    except SignalException as e:
+        if e.sigval == signal.SIGTERM and run_dir and _saved_for_preemption(run_dir, started):
+            print("moepar: SIGTERM: the workers saved a checkpoint and stopped; continue with "
+                  "--run.resume=true", file=sys.stderr)
+            code = EXIT_PREEMPTED
+        else:
+            print(f"moepar: stopped by {signal.Signals(e.sigval).name}", file=sys.stderr)
+            code = 128 + int(e.sigval)
+        # After a signal torch's agent leaves its rendezvous store running (on purpose, for
+        # elastic restarts); its C++ threads make the interpreter's exit abort now and then
+        # ("terminate called without an active exception", SIGABRT), so leave directly.
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)
     return 0
+
+
+def _saved_for_preemption(run_dir: str, since: float) -> bool:
+    """The newest checkpoint in run_dir was committed after `since` for a SIGTERM."""
+    from moepar.checkpoint import CheckpointError, latest_checkpoint, read_state
+    path = latest_checkpoint(os.path.join(run_dir, "checkpoints"))
+    try:
+        return (path is not None and os.path.getmtime(os.path.join(path, "manifest.json")) >= since
+                and read_state(path).get("stop_reason") == "preempted")
+    except (OSError, CheckpointError):
+        return False
+
+
+def die_with_launcher(env=None) -> bool:
+    """In a worker of torch's elastic launcher (Linux): the kernel sends SIGKILL when the launcher
+    dies, whatever kills it, so no worker trains on as an orphan (the launcher starts workers in
+    their own sessions, so nothing else would reach them). If `moepar train --nproc`'s launcher
+    is already gone (it died before this ran), exit now. Returns whether it applied. (The signal
+    follows the thread that started the worker; torch's launcher starts them from its main
+    thread, which lives as long as the launcher.)"""
+    import ctypes
+    env = os.environ if env is None else env
+    if "TORCHELASTIC_RUN_ID" not in env or not sys.platform.startswith("linux"):
+        return False
+    PR_SET_PDEATHSIG = 1
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        if libc.prctl(PR_SET_PDEATHSIG, int(signal.SIGKILL), 0, 0, 0) != 0:
+            return False
+    except (OSError, AttributeError):
+        return False
+    from moepar.rundir import LAUNCHER_ENV
+    expected = env.get(LAUNCHER_ENV)
+    if expected and expected.isdigit() and os.getppid() != int(expected):
+        print("moepar: the launcher that started this worker is gone; exiting", file=sys.stderr)
+        os._exit(EXIT_FAILED)
+    return True
 
 
 def device_index(env, cuda_count: int) -> int:
@@ -96,17 +174,38 @@ def select_device(want: str, backend: str = "auto", env=None, cuda_count: int | 
     return device
 
 
+def timeout_for_new_groups(seconds: float):
+    """Makes `seconds` the timeout of every process group created from now on in this process.
+
+    DeviceMesh creates its per-axis groups (new_group / split_group) without a timeout, so torch
+    gives them its backend default (30 min for gloo, 10 min for NCCL) instead of the world's:
+    `parallel.timeout_s` would reach only the world group, and a rank that stopped answering
+    would hold its dp, ep or tp peers far longer. torch has no public setting for that default;
+    these two module attributes are what `new_group` reads (torch 2.13,
+    distributed_c10d._get_default_timeout), the one private touch in this file."""
+    import datetime
+
+    import torch.distributed.distributed_c10d as c10d
+    timeout = datetime.timedelta(seconds=seconds)
+    c10d.default_pg_timeout = timeout
+    c10d.default_pg_nccl_timeout = timeout
+
+
 def init_process_group(parallel, device, world_size: int):
     """Sets this process's CUDA device (always, also when a process group exists) and joins the
     launcher's world when there is more than one rank, with `parallel.timeout_s` for every
-    collective and `device_id` so NCCL barriers and object collectives use the right GPU."""
+    collective (the world's and every group made after it) and `device_id` so NCCL barriers
+    and object collectives use the right GPU."""
     import datetime
 
     import torch
     import torch.distributed as dist
     if device.type == "cuda":
         torch.cuda.set_device(device)
-    if world_size == 1 or dist.is_initialized():
+    if world_size == 1:
+        return
+    timeout_for_new_groups(parallel.timeout_s)
+    if dist.is_initialized():
         return
     backend = parallel.backend if parallel.backend != "auto" else (
         "nccl" if device.type == "cuda" else "gloo")
@@ -127,6 +226,7 @@ def end_process_group(clean: bool = True):
 
 
 def main(argv: list[str]) -> int:
+    die_with_launcher()                 # first: a worker must not outlive its launcher
     from moepar.config import load_config, to_toml
     try:
         args, overrides = _parse(argv)
@@ -136,21 +236,46 @@ def main(argv: list[str]) -> int:
         build_dims(cfg, world)          # layout errors here, before any process or collective
     except ValueError as e:
         print(f"moepar: config error: {e}", file=sys.stderr)
-        return 2
+        return EXIT_REFUSED
     if args.nproc > 1 and "WORLD_SIZE" not in os.environ:
-        return launch(args.nproc, ["train", *argv])
-    from moepar.train import NonFiniteError, Trainer
+        from moepar.rundir import RunDirError, RunLock
+        try:
+            lock = RunLock(cfg.run.dir)  # held until the workers are done
+        except RunDirError as e:
+            print(f"moepar: {e}", file=sys.stderr)
+            return EXIT_REFUSED
+        if not lock.supported:
+            print(f"moepar: warning: run.dir={cfg.run.dir!r} does not support file locks "
+                  f"({lock.error}): nothing stops a second run from using it", file=sys.stderr)
+        try:
+            return launch(args.nproc, ["train", *argv], cfg.run.dir)
+        finally:
+            lock.release()
+    from moepar.rundir import RunDirError
+    from moepar.train import NonFiniteError, Preempted, Trainer
     rank = int(os.environ.get("RANK", 0))
     if rank == 0:
         print(to_toml(cfg), flush=True)
-    clean = False
+    clean = True        # the errors below are raised by every rank at the same point
     try:
-        trainer = Trainer(cfg, log=lambda msg: print(msg, flush=True))
+        trainer = Trainer(cfg, log=lambda msg: print(msg, flush=True), config_path=args.config)
         trainer.run()
-        clean = True
-    except (ValueError, NonFiniteError) as e:
+    except RunDirError as e:
         print(f"moepar: {e}", file=sys.stderr)
-        return 1
+        return EXIT_REFUSED
+    except NonFiniteError as e:
+        print(f"moepar: {e}", file=sys.stderr)
+        return EXIT_DIVERGED
+    except Preempted as e:
+        print(f"moepar: {e}", file=sys.stderr)
+        return EXIT_PREEMPTED
+    except ValueError as e:
+        clean = False
+        print(f"moepar: {e}", file=sys.stderr)
+        return EXIT_FAILED
+    except BaseException:
+        clean = False
+        raise
     finally:
         end_process_group(clean)
     return 0

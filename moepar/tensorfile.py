@@ -82,10 +82,11 @@ class _HashingFile:
                 "blocks": self.blocks}
 
 
-def write_tensors(path: str, entries: list, metadata: dict | None = None) -> dict:
+def write_tensors(path: str, entries: list, metadata: dict | None = None, check=None) -> dict:
     """Writes a safetensors file from entries (key, dtype, shape, produce) in order, calling
     produce() -> contiguous CPU tensor for one entry at a time; returns the file's hash entry
-    (size, sha256, block hashes), for the checkpoint manifest."""
+    (size, sha256, block hashes), for the checkpoint manifest. `check(key, tensor)` sees each
+    tensor before it is written and may raise."""
     header, offset = {}, 0
     for key, dtype, shape, _ in entries:
         nbytes = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
@@ -104,6 +105,8 @@ def write_tensors(path: str, entries: list, metadata: dict | None = None) -> dic
             if tensor.dtype != dtype or tuple(tensor.shape) != tuple(shape) or tensor.is_cuda:
                 raise ValueError(f"{key}: produced {tensor.dtype} {tuple(tensor.shape)} on "
                                  f"{tensor.device}, expected {dtype} {tuple(shape)} on the host")
+            if check is not None:
+                check(key, tensor)
             if tensor.numel():
                 out.write(tensor.contiguous().reshape(-1).view(torch.uint8).numpy())
     finally:

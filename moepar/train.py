@@ -10,28 +10,40 @@ the dp ranks (each rank takes a contiguous block). Each micro-batch is one capac
 drops do not depend on the layout. A rank weights its micro-batches' mean cross-entropy by
 1/(its micro-batches) and MoE aux losses are injected with the same weight; averaging over dp
 then gives the mean over all micro-batches, as on one process.
+
+When a run must stop, every rank stops at the same step, because each decision rests on numbers
+all ranks share: the global loss and grad norm, and one small all-reduce per step (MAX) of two
+flags, "parameters went non-finite in the last update" and "SIGTERM arrived". Those ride the one
+host sync a step already makes (loss and grad norm), so the checks cost no extra sync:
+- more than train.max_skipped_steps skipped steps in a row, or non-finite parameters after an
+  update: NonFiniteError (exit 3), nothing saved after the damage;
+- SIGTERM (preemption by SLURM or Kubernetes): the step finishes, a checkpoint is saved, and
+  `Preempted` is raised (exit 75).
 """
 
-import dataclasses
 import math
 import os
-import shutil
+import signal
+import threading
 import time
 
 import torch
 
-from moepar.checkpoint import (PendingSave, checkpoint_step, complete_steps, latest_checkpoint,
-                               load_checkpoint, read_state, recover_interrupted)
-from moepar.config import RunConfig, to_dict, to_toml
+from moepar.checkpoint import (PendingSave, discard, latest_checkpoint, load_checkpoint,
+                               read_state, recover_interrupted)
+from moepar.config import RunConfig, to_dict
 from moepar.data import build_sampler, check_same_dataset
 from moepar.launch import init_process_group, select_device
 from moepar.loss_scale import LossScaler
 from moepar.layers import Transformer
 from moepar.metrics import MetricsWriter, StepStats
 from moepar.parallel import Options, ParallelDims, parallelize
+from moepar.parallel.handle import local_tensor
 from moepar.parallel.schedules import check_schedule
+from moepar.rundir import (RunDirError, RunLock, config_changes, launcher_holds_lock, plan_start,
+                           write_config)
 
-__all__ = ["Trainer", "lr_at", "NonFiniteError", "build_dims"]
+__all__ = ["Trainer", "lr_at", "NonFiniteError", "Preempted", "build_dims"]
 
 _PARAM_DTYPES = {"float32": torch.float32, "bfloat16": torch.float32, "float16": torch.float32,
                  "float64": torch.float64}
@@ -39,7 +51,18 @@ _AUTOCAST = {"bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
 class NonFiniteError(RuntimeError):
-    """Raised with train.on_nonfinite='stop' when a step's loss or grad norm is NaN or Inf."""
+    """The run diverged: a NaN or Inf loss or grad norm (with train.on_nonfinite='stop', or more
+    than train.max_skipped_steps steps in a row), or non-finite parameters after an update.
+    Raised on every rank at the same step."""
+
+
+class Preempted(Exception):
+    """SIGTERM arrived: every rank finished the same step, and it was saved at `path`."""
+
+    def __init__(self, step: int, path: str):
+        super().__init__(f"stopped on SIGTERM after step {step}; saved {path}; continue with "
+                         "--run.resume=true")
+        self.step, self.path = step, path
 
 
 def lr_at(step: int, cfg) -> float:
@@ -89,8 +112,8 @@ def build_dims(cfg: RunConfig, world_size: int) -> ParallelDims:
 class Trainer:
     """Builds the data, the layout and the parallel model from a validated RunConfig; `run()` trains."""
 
-    def __init__(self, cfg: RunConfig, log=print):
-        self.cfg = cfg
+    def __init__(self, cfg: RunConfig, log=print, config_path: str | None = None):
+        self.cfg, self.config_path = cfg, config_path
         tcfg = cfg.train
         world_size = int(os.environ.get("WORLD_SIZE", 1))
         self.rank = int(os.environ.get("RANK", 0))
@@ -106,7 +129,17 @@ class Trainer:
         self.num_local_micro = self.num_micro // self.dims.dp
         self.first_micro = coords.dp * self.num_local_micro
         self.ckpt_root = os.path.join(cfg.run.dir, "checkpoints")
+        self.discarding = []      # background deletions (pruned checkpoints), joined by run()
+        self.run_lock = self._lock_run_dir()
         resume_path = self._resume_path()
+        if resume_path:
+            # Another dataset or a changed run is refused before anything is read but the
+            # small, hash-checked state file.
+            saved = read_state(resume_path)
+            check_same_dataset(saved.get("dataset"), self.sampler.fingerprint)
+            for note in config_changes(saved.get("config"), to_dict(cfg), cfg.run.allow_changes,
+                                       resume_path):
+                self.log(f"resume: {note}")
         # The whole model exists only as shapes; each rank allocates and draws its own shards.
         with torch.device("meta"):
             model = Transformer(cfg.model, cfg.router, seed=tcfg.seed)
@@ -123,11 +156,14 @@ class Trainer:
         if tcfg.dtype == "float16" or tcfg.loss_scale > 0:
             self.scaler = LossScaler(tcfg.loss_scale or 2.0 ** 16, dynamic=tcfg.dtype == "float16")
         self.step = 0
+        self.skipped_in_row = 0           # consecutive skipped steps (train.max_skipped_steps)
+        self.stop_requested = False       # set by SIGTERM; acted on at a step end, by all ranks
+        self._params_check = None         # device flag: parameters non-finite after the last update
+        self.saved_step = None
         if resume_path:
-            # Another dataset is refused before anything is read (the state file is small).
-            check_same_dataset(read_state(resume_path).get("dataset"), self.sampler.fingerprint)
             state = load_checkpoint(resume_path, self.engine, optimizer=True)
-            self.step, self.sampler.position = state["step"], state["data_position"]
+            self.step, self.sampler.position = state["step"], state.get("data_position", 0)
+            self.saved_step = self.step
             if self.scaler is not None and "loss_scale" in state:
                 self.scaler.load_state_dict(state["loss_scale"])
             self.log(f"resumed from {resume_path} at step {self.step}")
@@ -147,38 +183,59 @@ class Trainer:
     runner = property(lambda self: self.engine.runner)
     meshes = property(lambda self: self.layout.meshes)
 
+    def _from_rank0(self, obj):
+        """Rank 0's `obj` on every rank (a collective when there are several)."""
+        if self.dims.world_size > 1:
+            import torch.distributed as dist
+            box = [obj]
+            dist.broadcast_object_list(box, src=0)
+            obj = box[0]
+        return obj
+
+    def _lock_run_dir(self) -> RunLock | None:
+        """Rank 0 holds run.dir's lock for the run's life, unless the `moepar train --nproc`
+        launcher that started this worker holds it; all ranks refuse together when it is taken."""
+        lock, error = None, None
+        if self.rank == 0 and not launcher_holds_lock():
+            try:
+                lock = RunLock(self.cfg.run.dir)
+                if not lock.supported:
+                    self.log(f"warning: run.dir={self.cfg.run.dir!r} does not support file "
+                             f"locks ({lock.error}): nothing stops a second run from using it")
+            except RunDirError as e:
+                error = str(e)
+        error = self._from_rank0(error)
+        if error:
+            raise RunDirError(error)
+        return lock
+
+    def release(self):
+        """Lets go of run.dir (the end of the run); also when the object is dropped."""
+        if self.run_lock is not None:
+            self.run_lock.release()
+
+    def __del__(self):
+        if getattr(self, "run_lock", None) is not None:
+            self.run_lock.release()
+
     def _resume_path(self) -> str | None:
-        """The checkpoint to resume from, or None; refuses to clobber a run by accident."""
-        run = self.cfg.run
+        """The checkpoint to resume from, or None for a fresh start; refuses what would lose or
+        mix up a previous run's files. Rank 0 decides, under the lock; all ranks agree. Rank 0's
+        file work here is renames only (deletions go to a background thread), so the others
+        never wait long in the broadcast."""
+        error, path = None, None
         if self.rank == 0:
-            for message in recover_interrupted(self.ckpt_root):
-                self.log(f"checkpoints: {message}")
-        self._barrier()
-        existing = complete_steps(self.ckpt_root)
-        doomed, path = [], None
-        if run.resume_from:
-            step = checkpoint_step(run.resume_from)
-            doomed = [s for s in existing if step is not None and s > step]
-            if doomed and not run.overwrite:
-                raise ValueError(f"run.dir={run.dir!r} holds checkpoints after step {step} of "
-                                 f"run.resume_from (steps {doomed}); they would be resumed by "
-                                 "--run.resume later or pruned. Pass --run.overwrite=true to "
-                                 "delete them, or use another run.dir")
-            path = run.resume_from
-        elif run.resume:
-            path = latest_checkpoint(self.ckpt_root)  # none yet: a fresh start
-        elif existing:
-            if not run.overwrite:
-                raise ValueError(f"run.dir={run.dir!r} already holds checkpoints (steps {existing}); "
-                                 "pass --run.resume=true to continue it, --run.overwrite=true to "
-                                 "replace it, or choose another run.dir")
-            doomed = existing
-        if doomed:
-            self._barrier()       # every rank has looked before anything goes
-            if self.rank == 0:
-                for step in doomed:
-                    shutil.rmtree(os.path.join(self.ckpt_root, f"step_{step}"))
-            self._barrier()
+            try:
+                for message in recover_interrupted(self.ckpt_root):
+                    self.log(f"checkpoints: {message}")
+                path, doomed = plan_start(self.cfg.run, self.ckpt_root, self.config_path)
+                for step in doomed:        # asked for by --run.overwrite
+                    self.discarding.append(discard(os.path.join(self.ckpt_root, f"step_{step}")))
+            except (RunDirError, OSError) as e:
+                error = str(e)
+        error, path = self._from_rank0((error, path))
+        if error:
+            raise RunDirError(error)
         return path
 
     def _barrier(self):
@@ -201,7 +258,9 @@ class Trainer:
         return loss_sum
 
     def train_step(self) -> dict:
-        """One optimizer step over this rank's micro-batches; returns the global metrics record."""
+        """One optimizer step over this rank's micro-batches; returns the global metrics record.
+        Raises NonFiniteError (every rank) when the run has diverged; sets `stop_agreed` when
+        any rank asked to stop (SIGTERM)."""
         tcfg, engine = self.cfg.train, self.engine
         start = time.perf_counter()
         stats = StepStats(len(engine.moe_layer_ids), self.cfg.model.num_experts, self.device)
@@ -210,8 +269,17 @@ class Trainer:
         loss_sum = self.forward_backward(stats)
         engine.finish_step(stats, loss_sum)
         max_norm = tcfg.grad_clip if tcfg.grad_clip > 0 else float("inf")
-        grad_norm = float(engine.clip_grad_norm(max_norm))
-        loss = float(loss_sum) / self.num_micro
+        grad_norm_t = engine.clip_grad_norm(max_norm)
+        flags = self._step_flags()
+        # The step's one host sync: loss, grad norm and the two agreed flags together.
+        loss_sum_v, grad_norm, params_bad, stop = torch.cat(
+            [loss_sum.reshape(1).double(), grad_norm_t.reshape(1).double(), flags]).tolist()
+        if params_bad:
+            engine.zero_grad()
+            raise NonFiniteError(self._diverged(f"the update of step {self.step} made parameters "
+                                                "non-finite (NaN or Inf)"))
+        self.stop_agreed = bool(stop)
+        loss = loss_sum_v / self.num_micro
         self.step += 1
         lr = lr_at(self.step, tcfg)
         skipped = not (math.isfinite(loss) and math.isfinite(grad_norm))
@@ -227,21 +295,64 @@ class Trainer:
             engine.zero_grad()
         elif skipped:
             engine.zero_grad()
-            message = (f"step {self.step}: non-finite loss={loss} or grad_norm={grad_norm}; "
-                       f"{'stopping' if tcfg.on_nonfinite == 'stop' else 'step skipped'}, "
-                       "parameters unchanged")
-            self.log(message)
+            self.skipped_in_row += 1
+            what = f"step {self.step}: non-finite loss={loss} or grad_norm={grad_norm}"
             if tcfg.on_nonfinite == "stop":
-                raise NonFiniteError(message)
+                raise NonFiniteError(self._diverged(f"{what} (train.on_nonfinite='stop')"))
+            if self.skipped_in_row > tcfg.max_skipped_steps:
+                raise NonFiniteError(self._diverged(
+                    f"{what}: {self.skipped_in_row} skipped steps in a row, more than "
+                    f"train.max_skipped_steps={tcfg.max_skipped_steps}"))
+            self.log(f"{what}; step skipped, parameters unchanged ({self.skipped_in_row} in a "
+                     f"row; the run stops after {tcfg.max_skipped_steps})")
         else:
+            self.skipped_in_row = 0
             engine.optimizer_step(lr, stats)
             engine.zero_grad()
+            self._params_check = self._local_params_norm()
         elapsed = time.perf_counter() - start
         tokens = tcfg.global_batch_size * tcfg.seq_len
         record = {"step": self.step, "loss": loss, **stats.summary(), "grad_norm": grad_norm,
                   "lr": lr, "tokens_per_s": tokens / elapsed, "skipped": skipped}
         self.last_stats = stats
         return record
+
+    stop_agreed = False
+
+    def _local_params_norm(self) -> torch.Tensor:
+        """The norm of this rank's parameter shards, left on the device: non-finite exactly when
+        one of them is (one read of the parameters, no sync)."""
+        from torch.nn.utils import get_total_norm
+        return get_total_norm([local_tensor(p.detach()) for p in self.model.parameters()])
+
+    def _step_flags(self, params_norm=None) -> torch.Tensor:
+        """[parameters non-finite after the last update, SIGTERM seen], 0 or 1 each, the MAX over
+        every rank (one small all-reduce; read by the caller's host sync)."""
+        params_norm = self._params_check if params_norm is None else params_norm
+        flags = torch.zeros(2, dtype=torch.float64, device=self.device)
+        if params_norm is not None:
+            flags[0] = (~torch.isfinite(params_norm)).double()
+        if self.stop_requested:
+            flags[1] = 1.0
+        if self.dims.world_size > 1:
+            import torch.distributed as dist
+            dist.all_reduce(flags, op=dist.ReduceOp.MAX)
+        return flags
+
+    def _diverged(self, what: str) -> str:
+        saved = latest_checkpoint(self.ckpt_root)
+        advice = ("lower train.lr, raise train.eps or tighten train.grad_clip, then "
+                  + ("--run.resume=true --run.allow_changes=<the keys you changed>" if saved
+                     else "start again with --run.overwrite=true"))
+        return (f"the run diverged: {what}. No checkpoint holds non-finite values; the newest "
+                f"is {saved or 'none'}. To go on: {advice}")
+
+    def check_parameters(self):
+        """Raises NonFiniteError on every rank if any rank's parameters are non-finite now (a
+        collective and a host sync: before saves, not per step)."""
+        bad, _ = self._step_flags(self._local_params_norm()).tolist()
+        if bad:
+            raise NonFiniteError(self._diverged(f"parameters are non-finite at step {self.step}"))
 
     def expert_bias_LE(self):
         """Every MoE layer's selection bias [L, E], or None; a collective over pp under pp > 1."""
@@ -250,24 +361,30 @@ class Trainer:
             return None
         return self.engine.expert_bias_LE(self.cfg.model.num_experts)
 
-    def save(self, background: bool = False) -> str:
+    def save(self, background: bool = False, reason: str = "") -> str:
         """Checkpoints this step (a collective). `background`: training resumes once the boxes
         are copied to host memory; `poll_save` commits when every rank has written its files.
-        A save first finishes the one still in flight."""
+        A save first finishes the one still in flight, and checks on every rank that the
+        parameters are finite (NonFiniteError otherwise: a diverged model is never saved)."""
         self.finish_save()
+        self.check_parameters()
         state = {"step": self.step, "data_position": self.sampler.position,
                  "config": to_dict(self.cfg), "layout": self.dims.describe(),
                  "dataset": self.sampler.fingerprint}
         if self.scaler is not None:
             state["loss_scale"] = self.scaler.state_dict()
+        if reason:
+            state["stop_reason"] = reason
         pending = PendingSave(self.ckpt_root, self.step, self.engine, state,
                               keep=self.cfg.run.keep_checkpoints, background=background)
+        self.saved_step = self.step
         if background:
             self.pending_save = pending
             self.log(f"checkpoint step {self.step}: training waited {pending.stall_s:.2f} s "
                      "(copy to host memory); writing in the background")
             return pending.final
         path = pending.finish()
+        self.discarding += pending.discarding
         self.log(f"saved {path} in {pending.stall_s:.2f} s")
         return path
 
@@ -290,42 +407,77 @@ class Trainer:
         pending, self.pending_save = self.pending_save, None
         if pending is not None:
             self.log(f"saved {pending.finish()} (in the background)")
+            self.discarding += pending.discarding
 
     def run(self) -> list[dict]:
-        """Trains to train.steps, logging and checkpointing; returns this call's records."""
+        """Trains to train.steps, logging and checkpointing; returns this call's records.
+        Raises NonFiniteError when the run diverges, Preempted after a SIGTERM (saved)."""
         cfg = self.cfg
         writer = None
-        if self.rank == 0:
-            os.makedirs(cfg.run.dir, exist_ok=True)
-            # One-shot flags are not part of the run: reusing this file must not resume from a
-            # stale path or delete checkpoints.
-            saved = dataclasses.replace(cfg, run=dataclasses.replace(
-                cfg.run, resume=False, resume_from="", overwrite=False))
-            with open(os.path.join(cfg.run.dir, "config.toml"), "w") as f:
-                f.write(to_toml(saved))
-            writer = MetricsWriter(cfg.run.dir, cfg.run.tensorboard, resume_step=self.step,
-                                   ep=self.dims.ep, model=cfg.model,
-                                   image_every=cfg.run.tb_image_every)
         records = []
         try:
-            while self.step < cfg.train.steps:
-                record = self.train_step()
-                records.append(record)
-                bias_LE = self.expert_bias_LE()   # every rank; expert_load.jsonl keeps it
-                if writer is not None:
-                    writer.write(record, self.last_stats, bias_LE)
-                if cfg.run.log_every and (self.step % cfg.run.log_every == 0 or self.step == 1
-                                          or self.step == cfg.train.steps):
-                    self.log(progress_line(record, cfg.train.steps))
-                self.poll_save()
-                every = cfg.run.checkpoint_every
-                if self.step == cfg.train.steps or (every and self.step % every == 0):
-                    self.save(background=cfg.run.async_checkpoint)
-            self.finish_save()
+            with _StopOnSignal(self):
+                if self.rank == 0:
+                    os.makedirs(cfg.run.dir, exist_ok=True)
+                    if not write_config(cfg, self.config_path):
+                        self.log(f"{cfg.run.dir}/config.toml is the input config: left as it is "
+                                 "(the resolved config is in each checkpoint's state.json)")
+                    writer = MetricsWriter(cfg.run.dir, cfg.run.tensorboard,
+                                           resume_step=self.step, ep=self.dims.ep,
+                                           model=cfg.model, image_every=cfg.run.tb_image_every)
+                while self.step < cfg.train.steps:
+                    record = self.train_step()
+                    records.append(record)
+                    bias_LE = self.expert_bias_LE()   # every rank; expert_load.jsonl keeps it
+                    if writer is not None:
+                        writer.write(record, self.last_stats, bias_LE)
+                    if cfg.run.log_every and (self.step % cfg.run.log_every == 0 or self.step == 1
+                                              or self.step == cfg.train.steps):
+                        self.log(progress_line(record, cfg.train.steps))
+                    self.poll_save()
+                    every = cfg.run.checkpoint_every
+                    if self.step == cfg.train.steps or (every and self.step % every == 0):
+                        self.save(background=cfg.run.async_checkpoint and not self.stop_agreed,
+                                  reason="preempted" if self.stop_agreed else "")
+                    if self.stop_agreed and self.step < cfg.train.steps:
+                        self.log(f"SIGTERM: stopping after step {self.step}")
+                        self.finish_save()
+                        path = (os.path.join(self.ckpt_root, f"step_{self.step}")
+                                if self.saved_step == self.step else
+                                self.save(reason="preempted"))
+                        raise Preempted(self.step, path)
+                self.finish_save()
         finally:
             if writer is not None:
                 writer.close()
+            for thread in self.discarding:    # a finished run leaves no half-deleted folder
+                thread.join()
+            self.release()
         return records
+
+
+class _StopOnSignal:
+    """While training, SIGTERM (what SLURM and Kubernetes send on preemption) only sets
+    `trainer.stop_requested`: the step in progress finishes, every rank agrees at its end, and
+    the run saves and stops. Repeats are ignored (a launcher forwards the signal that a
+    scheduler may also have sent each worker directly); SIGKILL after the grace period remains
+    the scheduler's. Installed only in the main thread (Python's rule for signal handlers)."""
+
+    def __init__(self, trainer):
+        self.trainer, self.previous = trainer, None
+
+    def _handle(self, signum, frame):
+        self.trainer.stop_requested = True
+
+    def __enter__(self):
+        if threading.current_thread() is threading.main_thread():
+            self.previous = signal.signal(signal.SIGTERM, self._handle)
+        return self
+
+    def __exit__(self, *exc):
+        if self.previous is not None:
+            signal.signal(signal.SIGTERM, self.previous)
+        return False
 
 
 def progress_line(r: dict, total_steps: int) -> str:

@@ -6,8 +6,10 @@ memory-mapped token sequence that is never read whole.
     DIR/val-00000.npy       the held-out documents
     DIR/tokenizer.json      a copy of the tokenizer used (absent for the byte tokenizer)
 
-Every shard's .npy header and file size are checked against the index before it is mapped, so a
-truncated or damaged file is an error naming it, never a SIGBUS when training reaches its end.
+Every shard's .npy header and file size are checked against the index before it is opened, so a
+truncated or damaged file is an error naming it. Tokens are then read with pread, never through a
+memory map: a file truncated while training runs is an error naming it, where a map would kill
+the process with SIGBUS.
 """
 
 import bisect
@@ -18,8 +20,8 @@ import os
 
 import numpy as np
 
-__all__ = ["INDEX", "FORMAT", "VERSION", "PreparedFolder", "ShardedTokens", "open_npy",
-           "is_prepared"]
+__all__ = ["INDEX", "FORMAT", "VERSION", "PreparedFolder", "ShardedTokens", "TokenFile",
+           "open_npy", "is_prepared"]
 
 INDEX, FORMAT, VERSION = "index.json", "moepar-tokens", 1
 SHARD_DTYPES = ("uint16", "uint32")
@@ -29,9 +31,48 @@ def is_prepared(path: str) -> bool:
     return os.path.isdir(path) and os.path.isfile(os.path.join(path, INDEX))
 
 
+class TokenFile:
+    """A 1-D array of tokens stored at `offset` in a file: len() and contiguous slices, read with
+    pread from one open descriptor (the same file even if it is replaced by rename). A read that
+    comes back short (the file shrank) is a ValueError naming the file, not a SIGBUS."""
+
+    def __init__(self, path: str, dtype, offset: int, count: int, label: str):
+        self.path, self.dtype, self.offset, self.count, self.label = (
+            path, np.dtype(dtype), offset, count, label)
+        self.fd = os.open(path, os.O_RDONLY)
+
+    def __len__(self) -> int:
+        return self.count
+
+    @property
+    def shape(self) -> tuple:
+        return (self.count,)
+
+    def __getitem__(self, key) -> np.ndarray:
+        if not isinstance(key, slice) or key.step not in (None, 1):
+            raise TypeError("TokenFile supports contiguous slices only")
+        start, stop, _ = key.indices(self.count)
+        if stop <= start:
+            return np.zeros(0, dtype=self.dtype)
+        size = self.dtype.itemsize
+        want = (stop - start) * size
+        data = os.pread(self.fd, want, self.offset + start * size)
+        if len(data) != want:
+            now = os.fstat(self.fd).st_size
+            raise ValueError(f"{self.label}: {self.path} has {now} bytes now, fewer than the "
+                             f"{self.offset + self.count * size} it had when training started "
+                             "(truncated while training?); restore the file and resume")
+        return np.frombuffer(data, dtype=self.dtype)
+
+    def __del__(self):
+        if getattr(self, "fd", None) is not None:
+            os.close(self.fd)
+            self.fd = None
+
+
 def open_npy(path: str, label: str, dtype: str | None = None, count: int | None = None):
-    """A read-only memmap of a 1-D .npy file after checking its header and size (and, when given,
-    that they match the expected dtype and token count); ValueError naming `label` else."""
+    """The tokens of a 1-D .npy file (a TokenFile) after checking its header and size (and, when
+    given, that they match the expected dtype and token count); ValueError naming `label` else."""
     try:
         size = os.path.getsize(path)
         with open(path, "rb") as f:
@@ -56,15 +97,13 @@ def open_npy(path: str, label: str, dtype: str | None = None, count: int | None 
     if size != want:
         raise ValueError(f"{label}: {path} has {size} bytes, its header promises {want} "
                          f"({shape[0]} tokens of {found}): the file is truncated or damaged")
-    if shape[0] == 0:
-        return np.zeros(0, dtype=found)     # numpy cannot map an empty range
-    return np.memmap(path, dtype=found, mode="r", offset=offset, shape=shape)
+    return TokenFile(path, found, offset, shape[0], label)
 
 
 class ShardedTokens:
     """A split's shards as one 1-D sequence: len() and contiguous slices (which may span shards).
-    Shards are checked at construction and mapped on use; each map holds a file descriptor, so
-    only the `max_open` most recently used stay mapped (a folder may have thousands of shards)."""
+    Shards are checked at construction and opened on use; each holds a file descriptor, so only
+    the `max_open` most recently used stay open (a folder may have thousands of shards)."""
 
     def __init__(self, paths: list[str], counts: list[int], dtype: str, label: str,
                  max_open: int = 64):

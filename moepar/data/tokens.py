@@ -3,7 +3,7 @@ drawn as a pure function of (seed, micro-batch index).
 
 One-array sources: `builtin` (the English help text that CPython ships in `pydoc_data.topics`, so
 the tiny run needs no download), `text` (a UTF-8 file, byte-tokenized), `tokens` with a single file
-(ids as a raw array of `data.token_dtype` or a `.npy` file, memory-mapped, never read whole).
+(ids as a raw array of `data.token_dtype` or a `.npy` file, read by windows, never whole).
 Prepared folders (folder.py) give the same interface: len() and contiguous slices.
 """
 
@@ -12,7 +12,7 @@ import os
 import numpy as np
 import torch
 
-from moepar.data.folder import PreparedFolder, is_prepared, open_npy
+from moepar.data.folder import PreparedFolder, TokenFile, is_prepared, open_npy
 
 __all__ = ["ByteTokenizer", "load_tokens", "check_token_range", "WindowSampler", "builtin_text"]
 
@@ -36,7 +36,8 @@ def builtin_text() -> str:
 
 
 def read_token_file(path: str, token_dtype: str, label: str):
-    """One token file: a .npy (header and size checked) or a raw array of token_dtype, mapped."""
+    """One token file: a .npy (header and size checked) or a raw array of token_dtype, read by
+    slices (TokenFile: a file truncated later is an error, not a SIGBUS)."""
     if path.endswith(".npy"):
         return open_npy(path, label)
     itemsize = np.dtype(token_dtype).itemsize
@@ -44,7 +45,7 @@ def read_token_file(path: str, token_dtype: str, label: str):
     if size % itemsize:
         raise ValueError(f"{label}={path!r} has {size} bytes, not a whole number of "
                          f"data.token_dtype={token_dtype} tokens ({itemsize} bytes each)")
-    return np.memmap(path, dtype=token_dtype, mode="r")
+    return TokenFile(path, token_dtype, 0, size // itemsize, label)
 
 
 def load_tokens(cfg):
@@ -68,7 +69,7 @@ def load_tokens(cfg):
 
 
 def check_token_range(tokens: np.ndarray, vocab_size: int, name: str, chunk: int = 1 << 24):
-    """Raises naming the first chunk with an id outside [0, vocab_size); reads memmaps in chunks."""
+    """Raises naming the first chunk with an id outside [0, vocab_size); reads files in chunks."""
     if tokens.dtype == np.uint8 and vocab_size >= 256:
         return
     for start in range(0, len(tokens), chunk):

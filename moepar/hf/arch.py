@@ -64,19 +64,72 @@ def _first(cfg: dict, *names, default=None):
     return default
 
 
+_REQUIRED = ("model_type", "hidden_size", "num_attention_heads", "num_hidden_layers",
+             "vocab_size", "num_experts_per_tok")
+_WHOLE = _REQUIRED[1:] + (
+    "num_key_value_heads", "head_dim", "intermediate_size", "moe_intermediate_size",
+    "n_routed_experts", "num_local_experts", "num_experts", "decoder_sparse_step",
+    "first_k_dense_replace", "n_shared_experts", "shared_expert_intermediate_size",
+    "max_position_embeddings", "q_lora_rank", "kv_lora_rank", "qk_nope_head_dim",
+    "qk_rope_head_dim", "v_head_dim", "n_group", "topk_group", "sliding_window")
+_REAL = ("rope_theta", "rms_norm_eps", "initializer_range", "routed_scaling_factor",
+         "router_aux_loss_coef")
+_FLAGS = ("tie_word_embeddings", "attention_bias", "qkv_bias", "norm_topk_prob",
+          "use_sliding_window", "rope_interleave")
+
+
+def load_config_json(file: str) -> dict:
+    """config.json as a dict whose settings have the types read_hf_config relies on; a
+    ConversionError naming the file and the key otherwise (never a traceback)."""
+    import math
+    try:
+        with open(file, "rb") as f:
+            cfg = json.loads(f.read())
+    except (OSError, ValueError) as e:
+        raise ConversionError(f"{file} is not valid JSON ({e})") from None
+    if not isinstance(cfg, dict):
+        raise ConversionError(f"{file} holds a JSON {type(cfg).__name__}, not an object of "
+                              "settings")
+    if not isinstance(cfg.get("model_type", "?"), str):
+        raise ConversionError(f"{file}: model_type={cfg['model_type']!r} is not a string")
+    arch_by_name(cfg.get("model_type", "?"))     # an unsupported model: say so first
+    missing = [k for k in _REQUIRED if cfg.get(k) is None]
+    if missing:
+        raise ConversionError(f"{file} lacks {', '.join(map(repr, missing))}")
+
+    def bad(key, what):
+        raise ConversionError(f"{file}: {key}={cfg[key]!r} is not {what}")
+    for key in _WHOLE:
+        if cfg.get(key) is not None and (type(cfg[key]) is not int or cfg[key] < 0):
+            bad(key, "a whole number >= 0")
+    for key in _REAL:
+        value = cfg.get(key)
+        if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float))
+                                  or not math.isfinite(value)):
+            bad(key, "a finite number")
+    for key in _FLAGS:
+        if cfg.get(key) is not None and not isinstance(cfg[key], bool):
+            bad(key, "true or false")
+    for key in ("model_type", "hidden_act", "topk_method", "scoring_func"):
+        if cfg.get(key) is not None and not isinstance(cfg[key], str):
+            bad(key, "a string")
+    for key in ("rope_parameters", "rope_scaling"):
+        if cfg.get(key) is not None and not isinstance(cfg[key], dict):
+            bad(key, "an object")
+    layers = cfg.get("mlp_only_layers")
+    if layers is not None and not (isinstance(layers, list)
+                                   and all(type(i) is int and i >= 0 for i in layers)):
+        bad("mlp_only_layers", "a list of layer numbers")
+    return cfg
+
+
 def load_hf_json(path: str) -> dict:
-    """config.json of a HF folder as a dict; a missing or unreadable file is a ConversionError."""
+    """config.json of a HF folder, type-checked (load_config_json); a missing file is a
+    ConversionError."""
     file = os.path.join(path, "config.json")
     if not os.path.isfile(file):
         raise ConversionError(f"{path!r} has no config.json")
-    try:
-        with open(file) as f:
-            cfg = json.load(f)
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise ConversionError(f"{file!r} is not valid JSON: {e}") from None
-    if not isinstance(cfg, dict):
-        raise ConversionError(f"{file!r} holds a {type(cfg).__name__}, not a JSON object")
-    return cfg
+    return load_config_json(file)
 
 
 def mtp_layers(cfg: dict) -> int:

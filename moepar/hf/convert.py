@@ -18,7 +18,9 @@ layers when the import removed those).
 
 import dataclasses
 import json
+import math
 import os
+import secrets
 import shutil
 
 import torch
@@ -33,32 +35,114 @@ from moepar.hf.names import (canonical_to_hf, expected_canonical, hf_to_canonica
                              rope_interleaved)
 from moepar.layers.model import ModelConfig
 from moepar.layers.router import RouterConfig
+from moepar.tensorfile import TensorFileError, read_header
 
 __all__ = ["ARCHS", "ConversionError", "hf_to_moepar", "moepar_to_hf", "from_hf", "CausalLM"]
 
 
 # ---- files ------------------------------------------------------------------------------------
 
-def hf_tensors(path: str):
-    """Streams (name, tensor) from a HF folder, one shard file open at a time."""
+def _shard_name(path: str, file) -> str:
+    """An index entry's file, refused unless it is a plain relative path inside `path`."""
+    if (not isinstance(file, str) or not file or os.path.isabs(file) or "\\" in file
+            or any(part in ("", ".", "..") for part in file.split("/"))):
+        raise ConversionError(f"{path!r}: model.safetensors.index.json names the file {file!r}, "
+                              "which is not a file inside the folder")
+    return file
+
+
+def source_files(path: str) -> list[tuple[str, dict]]:
+    """[(shard file, its validated header {name: dtype, shape, data_offsets})] of a HF folder,
+    checked against the index (every listed tensor where the index says, nothing unlisted)."""
     index = os.path.join(path, "model.safetensors.index.json")
     if os.path.isfile(index):
-        with open(index) as f:
-            weight_map = json.load(f)["weight_map"]
+        try:
+            with open(index, "rb") as f:
+                weight_map = json.loads(f.read())["weight_map"]
+            if not isinstance(weight_map, dict):
+                raise TypeError("weight_map is not an object")
+        except (OSError, ValueError, KeyError, TypeError) as e:
+            raise ConversionError(f"{index} is not a valid safetensors index ({e})") from None
+        weight_map = {name: _shard_name(path, file) for name, file in weight_map.items()}
         files = sorted(set(weight_map.values()))
     elif os.path.isfile(os.path.join(path, "model.safetensors")):
-        files = ["model.safetensors"]
+        weight_map, files = None, ["model.safetensors"]
     else:
         raise ConversionError(f"{path!r} has neither model.safetensors nor model.safetensors.index.json")
-    seen = set()
+    out = []
     for file in files:
-        with safe_open(os.path.join(path, file), framework="pt") as f:
-            for name in f.keys():
-                if name in seen:
-                    raise ConversionError(f"tensor {name!r} appears in more than one shard")
-                seen.add(name)
-                yield name, f.get_tensor(name)
+        try:
+            header, _ = read_header(os.path.join(path, file))
+        except TensorFileError as e:
+            raise ConversionError(f"{path!r}: {e}") from None
+        if weight_map is not None:
+            listed = {n for n, f in weight_map.items() if f == file}
+            if listed - set(header):
+                raise ConversionError(f"{path!r}: the index puts {sorted(listed - set(header))[:4]} "
+                                      f"in {file}, which does not hold them")
+            if set(header) - listed:
+                raise ConversionError(f"{path!r}: {file} holds {sorted(set(header) - listed)[:4]}, "
+                                      "which the index puts elsewhere or does not list")
+        out.append((file, header))
+    return out
+
+
+def hf_tensors(path: str, files: list | None = None):
+    """Streams (name, tensor) from a HF folder, one shard file open at a time; every header is
+    validated first (source_files), so a damaged or hostile file is a ConversionError."""
+    seen = set()
+    for file, header in (source_files(path) if files is None else files):
+        try:
+            with safe_open(os.path.join(path, file), framework="pt") as f:
+                for name in header:
+                    if name in seen:
+                        raise ConversionError(f"tensor {name!r} appears in more than one shard")
+                    seen.add(name)
+                    yield name, f.get_tensor(name)
+        except ConversionError:
+            raise
+        except Exception as e:    # the safetensors reader's own refusals (SafetensorError)
+            raise ConversionError(f"{path!r}: {file} cannot be read ({e})") from None
     return seen
+
+
+def _available_memory() -> int:
+    """Bytes of memory this machine can still give (MemAvailable), or 0 when unknown."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    return 0
+
+
+def _check_sizes(path: str, model_cfg: ModelConfig, files: list, element_bytes: int = 0):
+    """Refuses a config.json whose sizes the shard files cannot hold (or, with element_bytes,
+    that would not fit in memory) before anything is built or allocated for it."""
+    from moepar.plan.memory import param_count
+    stored = sum(math.prod(e["shape"]) for _, header in files for e in header.values())
+    slack = stored + (stored >> 4) + (1 << 20)
+    lower = model_cfg.num_layers * 2 * model_cfg.dim + model_cfg.vocab_size * model_cfg.dim
+    count = param_count(model_cfg)["total"] if lower <= slack else lower   # no 10^12-layer loop
+    if count > slack:
+        raise ConversionError(f"{path!r}: config.json describes a model of {count:.3g} parameters "
+                              f"but its safetensors files hold {stored:.3g} values; the config "
+                              "does not belong to these files (or is damaged)")
+    need, have = count * element_bytes, _available_memory()
+    if element_bytes and have and need > have:
+        raise ConversionError(f"{path!r}: the model needs {need / 2**30:.1f} GiB of memory, "
+                              f"this machine has {have / 2**30:.1f} GiB available")
+
+
+def _read_config(path: str):
+    """read_hf_config with every remaining type problem as a ConversionError."""
+    try:
+        return read_hf_config(path)
+    except (TypeError, KeyError, AttributeError) as e:
+        raise ConversionError(f"{path!r}: config.json has a setting of the wrong kind ({e!r})") \
+            from None
 
 
 class _ShardWriter:
@@ -89,11 +173,12 @@ class _ShardWriter:
 
 
 def _write_shards(dst: str, pattern: str, max_bytes: int, stream):
-    """Writes the stream's tensors into shards under `dst`.tmp; returns (tmp, writer). On any
-    error the temporary directory goes: nothing half-written is left to be mistaken for output."""
-    tmp = dst.rstrip("/") + ".tmp"
-    shutil.rmtree(tmp, ignore_errors=True)
-    os.makedirs(tmp)
+    """Writes the stream's tensors into shards under a new temporary folder beside `dst`
+    (`.<name>.tmp-<random>`, never a folder that existed); returns (tmp, writer). On any error
+    that folder goes: nothing half-written is left to be mistaken for output."""
+    parent, name = os.path.split(os.path.abspath(dst))
+    tmp = os.path.join(parent, f".{name}.tmp-{os.getpid()}-{secrets.token_hex(4)}")
+    os.makedirs(tmp)          # raises if it exists: never reuse (or delete) someone's folder
     writer = _ShardWriter(tmp, pattern, max_bytes)
     try:
         for name, tensor in stream:
@@ -110,6 +195,9 @@ def _checked(expected: dict, stream):
     for name, tensor in stream:
         if name not in expected:
             raise ConversionError(f"tensor {name!r} has no place in the model")
+        if not tensor.is_floating_point():
+            raise ConversionError(f"tensor {name!r} is stored as {tensor.dtype}; the model "
+                                  "holds floating point (integer tensors are refused, not cast)")
         if tuple(tensor.shape) != expected[name]:
             raise ConversionError(f"tensor {name!r} has shape {tuple(tensor.shape)}, the model "
                                   f"expects {expected[name]}")
@@ -127,14 +215,19 @@ def _without_mtp(tensors, num_layers: int, num_mtp: int, dropped: list):
         yield name, tensor
 
 
-def _canonical_from_hf(path: str, dtype: torch.dtype = torch.bfloat16, log=print):
+def _canonical_from_hf(path: str, dtype: torch.dtype = torch.bfloat16, log=print,
+                       element_bytes: int = 0):
     """(arch, model cfg, router cfg, stream of checked canonical tensors incl. zero expert biases,
-    report). FP8 weights come dequantized to `dtype`; the MTP layers are dropped with a note
-    through `log`, and their names land in report["dropped"] once the stream is spent."""
+    report). Every file is validated and the sizes checked against the files (and memory, with
+    element_bytes) first. FP8 weights come dequantized to `dtype`; the MTP layers are dropped
+    with a note through `log`, and their names land in report["dropped"] once the stream is
+    spent."""
     cfg_json = load_hf_json(path)
-    arch, model_cfg, router_cfg = read_hf_config(path)
+    arch, model_cfg, router_cfg = _read_config(path)
     block = quantization_block(cfg_json)     # refuses other quantizations before any tensor
     num_mtp = mtp_layers(cfg_json)
+    files = source_files(path)
+    _check_sizes(path, model_cfg, files, element_bytes)
     expected = expected_canonical(model_cfg, router_cfg)
     tied = model_cfg.tie_embeddings
     interleaved = rope_interleaved(cfg_json)
@@ -142,7 +235,8 @@ def _canonical_from_hf(path: str, dtype: torch.dtype = torch.bfloat16, log=print
 
     def stream():
         produced = set()
-        source = ((n, t) for n, t in hf_tensors(path) if not (tied and n == "lm_head.weight"))
+        source = ((n, t) for n, t in hf_tensors(path, files)
+                  if not (tied and n == "lm_head.weight"))
         source = dequantized(_without_mtp(source, model_cfg.num_layers, num_mtp, report["dropped"]),
                              block, dtype)
         for name, tensor in _checked(expected, hf_to_canonical(arch, model_cfg, source, interleaved)):
@@ -197,21 +291,27 @@ def hf_to_moepar(src: str, dst: str, max_shard_bytes: int = 2 << 30,
     if report["dropped"]:
         notes.append(f"dropped {len(report['dropped'])} multi-token-prediction tensors "
                      f"(layers {sorted({layer_index(n) for n in report['dropped']})})")
-    files = {"index.json": {"model": writer.weight_map, "optimizer": {}},
-             "state.json": {"step": 0, "data_position": 0, "source": f"hf:{arch.name}",
-                            "import_notes": notes,
-                            "config": {"model": dataclasses.asdict(model_cfg),
-                                       "router": dataclasses.asdict(router_cfg)}},
-             "hf_config.json": _imported_hf_config(load_hf_json(src), report)}
-    for name, obj in files.items():
-        with open(os.path.join(tmp, name), "w") as f:
-            json.dump(obj, f, indent=1 if name != "hf_config.json" else 2,
-                      sort_keys=name != "hf_config.json")
-    with open(os.path.join(tmp, "config.toml"), "w") as f:
-        f.write(f"# converted from {src} ({arch.name}); train with\n"
-                f"#   moepar train {dst}/config.toml --run.init_from={dst} --data.source=... \n"
-                + sections_toml({"model": model_cfg, "router": router_cfg}))
-    commit(tmp, dst, 0)
+    try:
+        files = {"index.json": {"model": writer.weight_map, "optimizer": {}},
+                 "state.json": {"step": 0, "data_position": 0, "source": f"hf:{arch.name}",
+                                "import_notes": notes,
+                                "config": {"model": dataclasses.asdict(model_cfg),
+                                           "router": dataclasses.asdict(router_cfg)}},
+                 "hf_config.json": _imported_hf_config(load_hf_json(src), report)}
+        for name, obj in files.items():
+            with open(os.path.join(tmp, name), "w") as f:
+                json.dump(obj, f, indent=1 if name != "hf_config.json" else 2,
+                          sort_keys=name != "hf_config.json")
+        run_dir = "runs/" + os.path.basename(os.path.normpath(dst))   # its own, never runs/tiny
+        with open(os.path.join(tmp, "config.toml"), "w") as f:
+            f.write(f"# converted from {src} ({arch.name}); train with\n"
+                    f"#   moepar train {dst}/config.toml --run.init_from={dst} --data.source=... \n"
+                    + sections_toml({"model": model_cfg, "router": router_cfg})
+                    + f"[run]\ndir = {json.dumps(run_dir)}\n")
+        commit(tmp, dst, 0)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)     # our own temporary folder, nothing else
+        raise
     return dst
 
 
@@ -225,9 +325,12 @@ def moepar_to_hf(src: str, dst: str, arch_name: str | None = None,
     if os.path.exists(dst):
         raise ConversionError(f"{dst!r} already exists; choose a new directory")
     verify_checkpoint(src)
-    with open(os.path.join(src, "state.json")) as f:
-        config = json.load(f)["config"]
-    model_cfg, router_cfg = ModelConfig(**config["model"]), RouterConfig(**config["router"])
+    try:
+        with open(os.path.join(src, "state.json")) as f:
+            config = json.load(f)["config"]
+        model_cfg, router_cfg = ModelConfig(**config["model"]), RouterConfig(**config["router"])
+    except (KeyError, TypeError, ValueError) as e:
+        raise ConversionError(f"{src!r}: state.json holds no usable model config ({e})") from None
     hf_config_file = os.path.join(src, "hf_config.json")
     source_cfg = None
     if os.path.isfile(hf_config_file):
@@ -285,7 +388,8 @@ def from_hf(path: str, dtype: torch.dtype = torch.float32, log=print) -> CausalL
     from moepar.layers import Transformer
     from moepar.layers.experts import GroupedExperts
     from moepar.layers.init import reset_rope_buffers
-    arch, model_cfg, router_cfg, stream, _ = _canonical_from_hf(path, dtype, log)
+    element_bytes = torch.empty((), dtype=dtype).element_size()
+    arch, model_cfg, router_cfg, stream, _ = _canonical_from_hf(path, dtype, log, element_bytes)
     with torch.device("meta"):   # no initial values: every tensor comes from the source
         model = Transformer(model_cfg, router_cfg, seed=0)
     model = model.to(dtype).to_empty(device="cpu")

@@ -75,4 +75,4 @@ def test_config_overrides_reach_the_plan(capsys):
                      "--parallel.zero=2", "--top", "1")
     assert rc == 0 and "the config's own layout (pp 1 dp 2 tp 1 ep 2 zero 2" in out
     rc, _, err = run(capsys, "examples/tiny.toml", "--gpus", "2", "--model.nope=1")
-    assert rc == 2 and "examples/tiny.toml: unknown config key 'model.nope'" in err
+    assert rc == 2 and "command line: unknown config key 'model.nope'" in err

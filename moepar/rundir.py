@@ -1,0 +1,246 @@
+"""The run directory's rules: one run at a time, what a fresh start, a resume or an overwrite may
+do with the files already there, and which config changes a resume accepts.
+
+    <run.dir>/run.lock        an exclusive flock for the run's life; holds the owner's pid and host
+    <run.dir>/config.toml     the resolved config, as run (never the input config file itself)
+    <run.dir>/metrics.jsonl   one JSON object per step (rank 0)
+    <run.dir>/tb/             TensorBoard events
+    <run.dir>/checkpoints/    step_N committed; step_N.incomplete-<time> set aside, never deleted
+
+Who holds the lock: the process that starts the run. `moepar train` on one process takes it
+itself; `moepar train --nproc N` takes it in the launcher before any worker starts and tells the
+workers (MOEPAR_RUN_LOCK_PID, checked against their parent); under torchrun, srun or any launcher
+that sets WORLD_SIZE, rank 0 takes it. A second start is refused naming the holder's pid and
+host. The kernel drops the lock when its holder dies, so a crash never leaves it stale.
+"""
+
+import fcntl
+import json
+import os
+import socket
+import sys
+import time
+
+__all__ = ["RunDirError", "RunLock", "LOCK_FILE", "LAUNCHER_ENV", "previous_run_files",
+           "describe_checkpoints", "plan_start", "write_config", "config_changes",
+           "HARMLESS_CHANGES"]
+
+LOCK_FILE = "run.lock"
+LAUNCHER_ENV = "MOEPAR_RUN_LOCK_PID"     # set by `moepar train --nproc`: the launcher holds it
+RUN_FILES = ("config.toml", "metrics.jsonl", "tb", "checkpoints")
+
+
+class RunDirError(ValueError):
+    """This start may not use run.dir as asked: it is in use, holds another run's files, or the
+    checkpoint to resume from is missing or belongs to a different run. Nothing was changed."""
+
+
+class RunLock:
+    """An exclusive `flock` on <run.dir>/run.lock, held until `release` (or this process ends).
+
+    A process holds a directory once: Trainers built one after another in one process (tests,
+    notebooks) share the holding, counted; `flock` would otherwise refuse the second, as its locks
+    belong to open files, not processes. That shared holding is the one piece of process-wide
+    state here, and it holds file descriptors only."""
+
+    _held: dict[str, list] = {}          # real path of the lock file -> [fd, holders]
+
+    def __init__(self, run_dir: str):
+        os.makedirs(run_dir, exist_ok=True)
+        self.path = os.path.realpath(os.path.join(run_dir, LOCK_FILE))
+        self.run_dir, self.supported, self.released = run_dir, True, False
+        if self.path in RunLock._held:
+            RunLock._held[self.path][1] += 1
+            return
+        fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            holder = _read_holder(fd)
+            os.close(fd)
+            raise RunDirError(f"run.dir={run_dir!r} is in use by another run: {holder} holds "
+                              f"{self.path}. Wait for that run to end (or stop it), or choose "
+                              "another run.dir") from None
+        except OSError as e:    # a filesystem without locks (some NFS or Lustre mounts)
+            self.supported = False
+            self.error = e.strerror
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, json.dumps({"pid": os.getpid(), "host": socket.gethostname(),
+                                  "started": time.strftime("%Y-%m-%d %H:%M:%S"),
+                                  "command": " ".join(sys.argv)[:1000]}).encode() + b"\n", 0)
+        RunLock._held[self.path] = [fd, 1]
+
+    def release(self):
+        """Lets go of this holding; the lock goes with the last one. The file stays: removing
+        it would let a waiting start lock a file that a third start then recreates."""
+        if self.released or self.path not in RunLock._held:
+            return
+        self.released = True
+        entry = RunLock._held[self.path]
+        entry[1] -= 1
+        if entry[1] == 0:
+            del RunLock._held[self.path]
+            os.close(entry[0])        # closing the last descriptor drops the flock
+
+
+def _read_holder(fd: int) -> str:
+    """'pid P on host H (started T)' from a held lock file, as far as it can be read."""
+    try:
+        info = json.loads(os.pread(fd, 65536, 0) or b"{}")
+        return (f"pid {info.get('pid', '?')} on host {info.get('host', '?')} (started "
+                f"{info.get('started', '?')}: {info.get('command', '?')})")
+    except (OSError, ValueError, AttributeError):
+        return "another process (its lock file is unreadable)"
+
+
+def launcher_holds_lock(env=None) -> bool:
+    """True in a worker whose parent is the `moepar train --nproc` launcher that holds the lock."""
+    env = os.environ if env is None else env
+    try:
+        return int(env.get(LAUNCHER_ENV, "0")) == os.getppid()
+    except ValueError:
+        return False
+
+
+def previous_run_files(run_dir: str, ignore: str | None = None) -> list[str]:
+    """The files of a previous run in run_dir: config.toml (unless it is `ignore`, the input
+    config), metrics.jsonl, tb/, checkpoints/ (when it holds anything)."""
+    found = []
+    for name in RUN_FILES:
+        path = os.path.join(run_dir, name)
+        if name == "checkpoints" and os.path.isdir(path) and not os.listdir(path):
+            continue
+        if ignore and os.path.exists(path) and os.path.exists(ignore) and \
+                os.path.samefile(path, ignore):
+            continue
+        if os.path.exists(path):
+            found.append(name + ("/" if os.path.isdir(path) else ""))
+    return found
+
+
+def describe_checkpoints(ckpt_root: str) -> str:
+    """What checkpoints/ holds, in words, for an error message."""
+    if not os.path.isdir(ckpt_root):
+        return f"{ckpt_root} does not exist"
+    names = sorted(os.listdir(ckpt_root))
+    if not names:
+        return f"{ckpt_root} is empty"
+    shown = ", ".join(names[:8]) + (f" and {len(names) - 8} more" if len(names) > 8 else "")
+    return f"{ckpt_root} holds {shown}"
+
+
+def plan_start(run, ckpt_root: str, config_path: str | None = None) -> tuple[str | None, list]:
+    """(checkpoint to resume from or None for a fresh start, steps an asked overwrite deletes)
+    for the [run] section `run`; RunDirError when the start would lose or mix up a previous
+    run's files. Call under the lock, after recovery."""
+    from moepar.checkpoint import checkpoint_step, complete_steps, latest_checkpoint
+    existing = complete_steps(ckpt_root)
+    if run.resume_from:
+        step = checkpoint_step(run.resume_from)
+        if step is None:
+            raise RunDirError(f"run.resume_from={run.resume_from!r} is not a committed "
+                              "checkpoint (it has no readable manifest.json)")
+        later = [s for s in existing if s > step]
+        if later and not run.overwrite:
+            raise RunDirError(f"run.dir={run.dir!r} holds checkpoints after step {step} of "
+                              f"run.resume_from (steps {later}); they would be resumed by "
+                              "--run.resume later or pruned. Pass --run.overwrite=true to "
+                              "delete them, or use another run.dir")
+        return run.resume_from, later
+    if run.resume:
+        path = latest_checkpoint(ckpt_root)
+        if path is None:
+            raise RunDirError(f"run.resume=true but there is no complete checkpoint to resume "
+                              f"from: {describe_checkpoints(ckpt_root)}. Nothing was changed; "
+                              "start without --run.resume (with --run.overwrite=true if "
+                              "run.dir holds a previous run's files)")
+        return path, []
+    found = previous_run_files(run.dir, ignore=config_path)
+    if found and not run.overwrite:
+        what = (f"checkpoints (steps {existing}) and other files of a previous run "
+                f"({', '.join(found)})" if existing else
+                f"a previous run's files ({', '.join(found)})")
+        raise RunDirError(f"run.dir={run.dir!r} already holds {what}; pass --run.resume=true "
+                          "to continue it, --run.overwrite=true to replace it, or choose "
+                          "another run.dir")
+    return None, existing
+
+
+def write_config(cfg, config_path: str | None = None) -> bool:
+    """Writes <run.dir>/config.toml, the resolved config without one-shot flags (reusing the
+    file must not resume from a stale path, delete checkpoints or accept changes), whole or not
+    at all; never over the input config file itself (returns False then)."""
+    import dataclasses
+
+    from moepar.config import to_toml
+    target = os.path.join(cfg.run.dir, "config.toml")
+    if config_path and os.path.exists(target) and os.path.samefile(config_path, target):
+        return False
+    saved = dataclasses.replace(cfg, run=dataclasses.replace(
+        cfg.run, resume=False, resume_from="", overwrite=False, allow_changes=[]))
+    with open(target + ".tmp", "w") as f:
+        f.write(to_toml(saved))
+    os.replace(target + ".tmp", target)
+    return True
+
+
+# ---- what a resume may change ------------------------------------------------------------------
+
+# Keys (or whole sections, ending in '.') that do not change what the run computes; a resume
+# reports their changes and goes on. Every other key changes the meaning of the run: the model,
+# the router, the data order (seed, batch sizes, sequence length) or the optimization (lr, betas,
+# eps, clipping, dtype); a resume refuses those unless --run.allow_changes names them.
+HARMLESS_CHANGES = {
+    "train.steps": "the run is extended or shortened; the learning-rate schedule follows the new "
+                   "length from here on",
+    "train.device": "the same numbers on another device",
+    "train.activation_checkpointing": "recomputes instead of storing, same numbers",
+    "train.on_nonfinite": "policy for bad steps",
+    "train.max_skipped_steps": "policy for bad steps",
+    "parallel.": "checkpoints reshard to any layout (same maths, see the numerics contract)",
+    "run.": "where and how often the run reports and saves",
+    "data.": "the dataset's identity is checked by its fingerprint instead",
+}
+
+
+def _flatten(tree: dict) -> dict:
+    return {f"{section}.{key}": value for section, values in tree.items()
+            if isinstance(values, dict) for key, value in values.items()}
+
+
+def _harmless(key: str) -> str | None:
+    return HARMLESS_CHANGES.get(key) or next(
+        (why for prefix, why in HARMLESS_CHANGES.items()
+         if prefix.endswith(".") and key.startswith(prefix)), None)
+
+
+def config_changes(saved: dict | None, current: dict, allowed: list[str], where: str) -> list[str]:
+    """Compares a checkpoint's config with this run's; returns lines describing accepted changes,
+    raises RunDirError naming every change that alters the run and is not in `allowed`. Keys
+    missing on either side (older or newer moepar) are not compared."""
+    if saved is None:
+        return []
+    if not isinstance(saved, dict):
+        raise RunDirError(f"{where}: state.json holds no readable config to compare with")
+    old, new = _flatten(saved), _flatten(current)
+    notes, refused = [], []
+    for key in sorted(set(old) & set(new)):
+        a, b = old[key], new[key]
+        if a == b or (isinstance(a, list | tuple) and isinstance(b, list | tuple)
+                      and list(a) == list(b)):
+            continue
+        change = f"{key} {a!r} -> {b!r}"
+        why = _harmless(key)
+        if why:
+            notes.append(f"{change} ({why})")
+        elif key in allowed:
+            notes.append(f"{change} (allowed by run.allow_changes)")
+        else:
+            refused.append((key, change))
+    if refused:
+        keys = ",".join(k for k, _ in refused)
+        raise RunDirError(f"resuming {where} with a config that changes the meaning of the run: "
+                          f"{'; '.join(c for _, c in refused)}. Resume with the checkpoint's "
+                          f"values, or pass --run.allow_changes={keys} to accept "
+                          f"{'this change' if len(refused) == 1 else 'these changes'}")
+    return notes
