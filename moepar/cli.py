@@ -20,6 +20,8 @@ COMMANDS = {
     "convert": ("moepar.hf.cli", "convert Hugging Face checkpoints to moepar and back"),
     "data": ("moepar.data.cli", "tokenize text into a prepared folder: moepar data prepare ..."),
     "inspect": ("moepar.inspect", "a run's expert load: hot, cold, dead experts, drops, plots"),
+    "eval": ("moepar.infer.evaluate", "validation loss and perplexity of a run or checkpoint"),
+    "generate": ("moepar.infer.generate", "continue a prompt: a run, checkpoint or HF folder"),
     "bench": ("moepar.bench", "benchmarks: moe-layer, dispatch, memory, pipeline, checkpoint"),
 }
 
