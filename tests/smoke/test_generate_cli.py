@@ -73,6 +73,10 @@ def test_convert_prepare_finetune_evaluate_sample(tmp_path):
     assert result["step"] == 2 and result["micro_batches"] == 4 and result["tokens"] == 4 * 8 * 16
     assert result["val_loss"] == pytest.approx(logged[1]["val_loss"], rel=1e-6)
     assert result["val_ppl"] == pytest.approx(logged[1]["val_ppl"], rel=1e-6)
+    two = json.loads(ok("eval", str(tmp_path / "run"), "--data", str(tmp_path / "data"),
+                        "--nproc", "2", "--parallel.ep=2").splitlines()[-1])
+    assert two["layout"].endswith("ep 2") and two["val_loss"] == pytest.approx(
+        logged[1]["val_loss"], rel=1e-5)
 
     # Greedy text from the HF folder and from the converted checkpoint: transformers' own.
     prompt = "the cat sat"
@@ -103,8 +107,10 @@ def test_byte_run_samples_text(tmp_path):
     result = moepar("generate", str(tmp_path / "run"), "--prompt", "Hello", "--max-new-tokens",
                     "12")
     assert result.returncode == 0, result.stderr[-2000:]
-    assert result.stdout.startswith("Hello") and "tokenizer bytes" in result.stderr
-    assert len(result.stdout.rstrip("\n").encode("utf-8", errors="replace")) >= 5
+    from moepar import load
+    assert result.stdout.rstrip("\n") == "Hello" + load(str(tmp_path / "run")).complete(
+        "Hello", max_new_tokens=12)          # the defaults: temperature 0.8, top-p 0.95, seed 0
+    assert "tokenizer bytes; 5 prompt + 12 new tokens" in result.stderr
     bad = moepar("generate", str(tmp_path / "nowhere"), "--prompt", "x")
     assert bad.returncode == 1 and "is not a directory" in bad.stderr
     bad = moepar("generate", str(tmp_path / "run"), "--prompt", "x", "--max-new-tokens", "400")
