@@ -6,6 +6,7 @@ Hd head dim, V vocabulary.
 Blocks are pre-norm: h = x + attn(norm(x)); out = h + ffn(norm(h)). Attention is causal with
 rotary position embeddings (rotate-half convention, as Llama/Mixtral/Qwen) and grouped-query heads
 through SDPA. A layer is MoE when its index i >= first_k_dense and (i - first_k_dense) % moe_every == 0.
+Decoding passes a KVCache (cache.py): each call runs the positions after the cached ones.
 """
 
 from dataclasses import dataclass, field
@@ -212,10 +213,9 @@ class Block(nn.Module):
 
     def forward(self, x_BSD, cos_SHd, sin_SHd, cache: LayerCache | None = None):
         """Returns (x_BSD, moe_output or None)."""
-        attn_in = self.attn_norm(x_BSD)
-        attn_out = self.attn(attn_in, cos_SHd, sin_SHd) if cache is None else \
-            self.attn(attn_in, cos_SHd, sin_SHd, cache)
-        h_BSD = x_BSD + attn_out
+        # Only decoding passes a cache (parallel/tensor.py's sequence-parallel attention takes none).
+        extra = () if cache is None else (cache,)
+        h_BSD = x_BSD + self.attn(self.attn_norm(x_BSD), cos_SHd, sin_SHd, *extra)
         if self.is_moe:
             moe_out = self.ffn(self.ffn_norm(h_BSD))
             return h_BSD + moe_out.y, moe_out

@@ -168,12 +168,15 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("source", help="a run directory (its newest checkpoint), a checkpoint "
                                        "directory, or a Hugging Face model folder")
     parser.add_argument("--prompt", required=True, help="the text to continue")
-    parser.add_argument("--max-new-tokens", type=int, default=64, metavar="N")
-    parser.add_argument("--temperature", type=float, default=0.8, help="0: greedy (default 0.8)")
+    parser.add_argument("--max-new-tokens", type=int, default=64, metavar="N",
+                        help="stop after N new tokens, or at the tokenizer's EOS (default 64)")
+    parser.add_argument("--temperature", type=float, default=0.8, metavar="T",
+                        help="divide the logits by T before sampling; 0: greedy (default 0.8)")
     parser.add_argument("--top-p", type=float, default=0.95, metavar="P",
                         help="sample from the smallest set of tokens holding P of the "
                              "probability (default 0.95; 1: all)")
-    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--seed", type=int, default=0,
+                        help="seeds the sampler: the same seed, the same text (default 0)")
     parser.add_argument("--tokenizer", metavar="TOKENIZER",
                         help="'bytes', a tokenizer.json, or a folder holding one (default: the "
                              "one the weights were trained with)")

@@ -63,6 +63,8 @@ def test_convert_prepare_finetune_evaluate_sample(tmp_path):
         (tmp_path / "hf" / "tokenizer.json").read_bytes()
     ok("data", "prepare", "--tokenizer", str(tmp_path / "mp"), "--input",
        str(tmp_path / "web.jsonl.gz"), "--val-fraction", "0.2", "--out", str(tmp_path / "data"))
+    before = json.loads(ok("eval", str(tmp_path / "mp"), "--data", str(tmp_path / "data"),
+                           "--train.seq_len=16", "--batches", "2"))
     ok("train", str(tmp_path / "mp" / "config.toml"), f"--run.init_from={tmp_path / 'mp'}",
        "--data.source=tokens", f"--data.path={tmp_path / 'data'}", "--train.steps=2",
        "--train.seq_len=16", "--train.warmup_steps=1", "--train.eval_every=2",
@@ -73,6 +75,7 @@ def test_convert_prepare_finetune_evaluate_sample(tmp_path):
     assert result["step"] == 2 and result["micro_batches"] == 4 and result["tokens"] == 4 * 8 * 16
     assert result["val_loss"] == pytest.approx(logged[1]["val_loss"], rel=1e-6)
     assert result["val_ppl"] == pytest.approx(logged[1]["val_ppl"], rel=1e-6)
+    assert before["step"] == 0 and before["val_loss"] > result["val_loss"]    # fine-tuning helped
     two = json.loads(ok("eval", str(tmp_path / "run"), "--data", str(tmp_path / "data"),
                         "--nproc", "2", "--parallel.ep=2").splitlines()[-1])
     assert two["layout"].endswith("ep 2") and two["val_loss"] == pytest.approx(
