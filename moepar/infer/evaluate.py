@@ -8,7 +8,7 @@ Each global batch is split over the dp ranks as a training step is (global micro
 dp rank i // local micro-batches) and runs forward only through the handle's runner (local or
 pipeline), each micro-batch one capacity group as in training. val_loss is the mean over the
 micro-batches of their mean cross-entropy (micro-batches have equal sizes: the mean per token),
-val_ppl = exp(val_loss); the figure does not depend on the layout (tests/dist/test_eval.py).
+val_ppl = exp(val_loss); the figure does not depend on the layout (tests/dist/test_eval_parity.py).
 
 `moepar eval` reads the run's config.toml (beside the run's checkpoints, or the converted
 checkpoint's own), points [data] at --data, loads the checkpoint into the layout of [parallel]

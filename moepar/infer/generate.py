@@ -76,7 +76,9 @@ def generate(model, input_ids, max_new_tokens: int = 64, temperature: float = 0.
              top_p: float = 0.95, seed: int = 0, eos_ids=()):
     """Continues each row of `input_ids` [B, T] (a moepar Transformer); returns [B, T + n],
     n <= max_new_tokens. With `eos_ids`, a row ends at its first EOS (later positions repeat
-    eos_ids[0], as transformers pads them) and decoding stops once every row has ended."""
+    eos_ids[0], as transformers pads them) and decoding stops once every row has ended.
+    MoE layers route as `model` was built, each call one capacity group (see the module
+    docstring; `load` and `from_hf` build them dropless)."""
     device = model.embed.weight.device
     input_ids = torch.as_tensor(input_ids, device=device)
     input_ids = input_ids[None] if input_ids.dim() == 1 else input_ids
