@@ -1,5 +1,6 @@
 """Single-device MoE model maths: no communication here (that lives in moepar.parallel)."""
 
+from .cache import KVCache
 from .dispatch import LocalDispatcher, LocalPlan
 from .experts import FeedForward, GroupedExperts, SharedExperts
 from .model import ModelConfig, Transformer
@@ -10,4 +11,4 @@ from .router import (ExpertChoiceRouter, RouterConfig, RouterLosses, Routing, Ro
 __all__ = ["MoE", "MoEOutput", "inject_aux_loss", "RouterConfig", "TopKRouter",
            "ExpertChoiceRouter", "Routing", "RouterLosses", "RoutingStats", "capacity",
            "GroupedExperts", "FeedForward", "SharedExperts", "LocalDispatcher", "LocalPlan",
-           "ModelConfig", "Transformer"]
+           "ModelConfig", "Transformer", "KVCache"]

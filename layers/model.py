@@ -6,6 +6,7 @@ Hd head dim, V vocabulary.
 Blocks are pre-norm: h = x + attn(norm(x)); out = h + ffn(norm(h)). Attention is causal with
 rotary position embeddings (rotate-half convention, as Llama/Mixtral/Qwen) and grouped-query heads
 through SDPA. A layer is MoE when its index i >= first_k_dense and (i - first_k_dense) % moe_every == 0.
+Decoding passes a KVCache (cache.py): each call runs the positions after the cached ones.
 """
 
 from dataclasses import dataclass, field
@@ -14,6 +15,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from .cache import KVCache, LayerCache, causal_attention
 from .experts import ACTIVATIONS, FeedForward
 from .mla import MLA
 from .rope import RMSNorm, YaRN, apply_rotary, rotary_tables
@@ -167,7 +169,9 @@ class Attention(nn.Module):
             q_dim, k_dim = (hd, hd) if cfg.qk_norm == "head" else (cfg.num_heads * hd, cfg.num_kv_heads * hd)
             self.q_norm, self.k_norm = RMSNorm(q_dim, cfg.norm_eps), RMSNorm(k_dim, cfg.norm_eps)
 
-    def forward(self, x_BSD, cos_SHd, sin_SHd):
+    def forward(self, x_BSD, cos_SHd, sin_SHd, cache: LayerCache | None = None):
+        """`cache`: decoding; x_BSD holds the S positions after the cached ones, and cos/sin are
+        theirs."""
         batch, seq, _ = x_BSD.shape
         q, k, v = self.q_proj(x_BSD), self.k_proj(x_BSD), self.v_proj(x_BSD)
         if self.qk_norm == "full":
@@ -179,9 +183,11 @@ class Attention(nn.Module):
         q_BHSd = apply_rotary(q_BSHd.transpose(1, 2), cos_SHd, sin_SHd)
         k_BGSd = apply_rotary(k_BSGd.transpose(1, 2), cos_SHd, sin_SHd)
         v_BGSd = v.view(batch, seq, -1, self.head_dim).transpose(1, 2)
-        o_BHSd = F.scaled_dot_product_attention(
-            q_BHSd, k_BGSd, v_BGSd, is_causal=True,
-            enable_gqa=self.num_kv_heads != self.num_heads)
+        start = 0
+        if cache is not None:   # attend over the cached positions too: k, v [B, G, L, Hd]
+            start = cache.length
+            k_BGSd, v_BGSd = cache.extend(2, k_BGSd, v_BGSd)
+        o_BHSd = causal_attention(q_BHSd, k_BGSd, v_BGSd, start)
         return self.o_proj(o_BHSd.transpose(1, 2).reshape(batch, seq, -1))
 
 
@@ -205,9 +211,11 @@ class Block(nn.Module):
         else:
             self.ffn = FeedForward(cfg.dim, cfg.ffn_dim, cfg.activation, cfg.init_std, out_std)
 
-    def forward(self, x_BSD, cos_SHd, sin_SHd):
+    def forward(self, x_BSD, cos_SHd, sin_SHd, cache: LayerCache | None = None):
         """Returns (x_BSD, moe_output or None)."""
-        h_BSD = x_BSD + self.attn(self.attn_norm(x_BSD), cos_SHd, sin_SHd)
+        # Only decoding passes a cache (parallel/tensor.py's sequence-parallel attention takes none).
+        extra = () if cache is None else (cache,)
+        h_BSD = x_BSD + self.attn(self.attn_norm(x_BSD), cos_SHd, sin_SHd, *extra)
         if self.is_moe:
             moe_out = self.ffn(self.ffn_norm(h_BSD))
             return h_BSD + moe_out.y, moe_out
@@ -259,18 +267,33 @@ class Transformer(nn.Module):
         for moe in self.moe_layers():
             moe.aux_loss_scale = scale
 
-    def forward(self, tokens_BS):
-        seq = tokens_BS.shape[1]
-        if seq > self.cfg.max_seq_len:
-            raise ValueError(f"sequence length {seq} exceeds model.max_seq_len={self.cfg.max_seq_len}")
+    def forward(self, tokens_BS, cache: KVCache | None = None, logits_to_keep: int = 0):
+        """`cache` (decoding): tokens_BS are the positions after the cached ones; their keys and
+        values are added to it. Each call is one capacity group of its MoE layers.
+        `logits_to_keep` > 0: logits of the last that many positions only (a prompt's prefill
+        needs one row of [S, V], not all)."""
+        start = 0 if cache is None else cache.length
+        end = start + tokens_BS.shape[1]
+        if end > self.cfg.max_seq_len:
+            raise ValueError(f"sequence length {end} exceeds model.max_seq_len={self.cfg.max_seq_len}")
         x_BSD = self.embed(tokens_BS)
-        cos, sin = self.rope_cos[:seq], self.rope_sin[:seq]
+        cos, sin = self.rope_cos[start:end], self.rope_sin[start:end]
         moe_outputs = []
-        for block in self.layers:
-            x_BSD, moe_out = block(x_BSD, cos, sin)
+        for i, block in enumerate(self.layers):
+            x_BSD, moe_out = block(x_BSD, cos, sin, None if cache is None else cache.layers[i])
             if moe_out is not None:
                 moe_outputs.append(moe_out)
+        if logits_to_keep:
+            x_BSD = x_BSD[:, -logits_to_keep:]
         return self.output(x_BSD), moe_outputs
+
+    def new_cache(self, capacity: int | None = None) -> KVCache:
+        """An empty KV cache for up to `capacity` positions (default model.max_seq_len)."""
+        capacity = capacity or self.cfg.max_seq_len
+        if capacity > self.cfg.max_seq_len:
+            raise ValueError(f"a cache of {capacity} positions exceeds model.max_seq_len="
+                             f"{self.cfg.max_seq_len}")
+        return KVCache(len(self.layers), capacity)
 
     def output(self, x_BSD):
         """Final norm and LM head: hidden states -> logits."""

@@ -21,6 +21,8 @@ COMMANDS = {
     "data": ("moepar.data.cli", "tokenize text into a prepared folder: moepar data prepare ..."),
     "inspect": ("moepar.inspect", "a run's expert load: hot, cold, dead experts, drops, plots"),
     "plan": ("moepar.plan.cli", "choose a layout for a model on N GPUs: memory and step time"),
+    "eval": ("moepar.infer.evaluate", "validation loss and perplexity of a run or checkpoint"),
+    "generate": ("moepar.infer.generate", "continue a prompt: a run, checkpoint or HF folder"),
     "bench": ("moepar.bench", "benchmarks: moe-layer, dispatch, memory, pipeline, checkpoint, train"),
 }
 

@@ -112,11 +112,15 @@ class TrainConfig:
     seed: int = 0
     on_nonfinite: str = "skip"     # NaN/Inf loss or grad norm: "skip" the step or "stop" the run
     max_skipped_steps: int = 5     # more consecutive skipped steps than this: the run has diverged, stop
+    eval_every: int = 0            # steps between validation losses (and the last step); 0: none
+    eval_batches: int = 1          # global batches (global_batch_size sequences) per validation
 
     def __post_init__(self):
-        for name in ("steps", "micro_batch_size", "global_batch_size", "seq_len"):
+        for name in ("steps", "micro_batch_size", "global_batch_size", "seq_len", "eval_batches"):
             if getattr(self, name) < 1:
                 raise ValueError(f"train.{name}={getattr(self, name)} must be >= 1")
+        if self.eval_every < 0:
+            raise ValueError(f"train.eval_every={self.eval_every} must be >= 0 (0: no validation)")
         if self.global_batch_size % self.micro_batch_size:
             raise ValueError(f"train.global_batch_size={self.global_batch_size} must be a multiple "
                              f"of train.micro_batch_size={self.micro_batch_size}")

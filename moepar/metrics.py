@@ -15,6 +15,7 @@ Files in the run directory, written by rank 0 only, one JSON object per line, ap
 | file               | first line | one line per step                                            |
 |--------------------|------------|--------------------------------------------------------------|
 | metrics.jsonl      | -          | step, loss, aux losses, drop fraction, imbalance, lr, ...    |
+|                    |            | (+ val_loss, val_ppl at validation steps: TensorBoard val/)  |
 | expert_load.jsonl  | a header   | step, tokens [L][E], dropped [L], assigned [L], bias [L][E]  |
 
 The expert-load header names the format, the model's MoE layer numbers and the expert count;
@@ -191,7 +192,8 @@ class MetricsWriter:
         step = record["step"]
         for key, value in record.items():
             if key != "step" and isinstance(value, (int, float)) and math.isfinite(value):
-                self.tb.add_scalar(f"train/{key}", value, step)
+                tag = f"val/{key[4:]}" if key.startswith("val_") else f"train/{key}"
+                self.tb.add_scalar(tag, value, step)
         if stats is not None and stats.tokens_LE.numel():
             self._write_load(stats, step)
         if expert_bias_LE is not None:

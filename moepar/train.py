@@ -33,6 +33,7 @@ from moepar.checkpoint import (PendingSave, discard, latest_checkpoint, load_che
                                read_state, recover_interrupted)
 from moepar.config import RunConfig, to_dict
 from moepar.data import build_sampler, check_same_dataset
+from moepar.infer.evaluate import Validation
 from moepar.launch import init_process_group, select_device
 from moepar.loss_scale import LossScaler
 from moepar.layers import Transformer
@@ -122,6 +123,7 @@ class Trainer:
         self.device = select_device(tcfg.device, cfg.parallel.backend)
         # Data errors surface here, on every rank, before any process group exists.
         self.sampler = build_sampler(cfg)
+        self.validation = Validation(cfg, self.dims, self.rank) if tcfg.eval_every else None
         init_process_group(cfg.parallel, self.device, world_size)
         self.layout = self.dims.bind(self.rank, self.device)
         coords = self.layout.coords
@@ -427,6 +429,10 @@ class Trainer:
                                            model=cfg.model, image_every=cfg.run.tb_image_every)
                 while self.step < cfg.train.steps:
                     record = self.train_step()
+                    if self.validation is not None and self.validation.due(self.step):
+                        record.update(self.validation.run(self.engine))   # a collective
+                        self.log(f"step {self.step:>5} | val_loss {record['val_loss']:.4f} | "
+                                 f"val_ppl {record['val_ppl']:.2f}")
                     records.append(record)
                     bias_LE = self.expert_bias_LE()   # every rank; expert_load.jsonl keeps it
                     if writer is not None:

@@ -177,6 +177,8 @@ class ParallelModel:
         on every rank): forward only, no gradients, no statistics. Every rank passes its share
         of the batches (pipeline ranks the same ones), as for a training step."""
         loss_sum, _ = self.runner.run(inputs, targets, forward_only=True)
+        if self.zero == 3:      # FSDP2 keeps the root's parameters gathered after a forward, for
+            self.model.reshard()  # the backward that would follow; none does: shard them again
         from .data import all_reduce_sum
         all_reduce_sum([loss_sum], self.layout.group("dp"))
         if self.layout.dims.pp > 1:     # the loss lives on the last stage

@@ -308,6 +308,12 @@ def hf_to_moepar(src: str, dst: str, max_shard_bytes: int = 2 << 30,
                     f"#   moepar train {dst}/config.toml --run.init_from={dst} --data.source=... \n"
                     + sections_toml({"model": model_cfg, "router": router_cfg})
                     + f"[run]\ndir = {json.dumps(run_dir)}\n")
+        # The tokenizer files beside the weights: `moepar data prepare --tokenizer DST` and
+        # `moepar generate DST` read them.
+        for name in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
+                     "generation_config.json", "tokenizer.model"):
+            if os.path.isfile(os.path.join(src, name)):
+                shutil.copyfile(os.path.join(src, name), os.path.join(tmp, name))
         commit(tmp, dst, 0)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)     # our own temporary folder, nothing else

@@ -1,0 +1,183 @@
+"""Validation loss and perplexity: every `train.eval_every` steps in training, and `moepar eval`.
+
+    moepar eval RUN_OR_CHECKPOINT --data DIR [--batches N] [--nproc N] [--section.key=value ...]
+
+The batches are `train.eval_batches` global batches from the val split of the prepared folder(s)
+(moepar.data.validation_batches): fixed windows, the same at every evaluation and every layout.
+Each global batch is split over the dp ranks as a training step is (global micro-batch i goes to
+dp rank i // local micro-batches) and runs forward only through the handle's runner (local or
+pipeline), each micro-batch one capacity group as in training. val_loss is the mean over the
+micro-batches of their mean cross-entropy (micro-batches have equal sizes: the mean per token),
+val_ppl = exp(val_loss); the figure does not depend on the layout (tests/dist/test_eval_parity.py).
+
+`moepar eval` reads the run's config.toml (beside the run's checkpoints, or the converted
+checkpoint's own), points [data] at --data, loads the checkpoint into the layout of [parallel]
+when it fits --nproc (else plain data parallelism), and prints one JSON line.
+"""
+
+import argparse
+import json
+import math
+import os
+import sys
+
+import torch
+
+__all__ = ["Validation", "perplexity", "build_engine", "main"]
+
+
+def perplexity(loss: float) -> float:
+    return math.exp(loss) if loss < 700 else math.inf
+
+
+class Validation:
+    """This rank's share of the validation batches (built before any process group exists);
+    `run(engine)` returns {"val_loss", "val_ppl"}, the same on every rank (a collective)."""
+
+    def __init__(self, cfg, dims, rank: int):
+        from moepar.data import validation_batches
+        t = cfg.train
+        self.every, self.last = t.eval_every, t.steps
+        num_micro = t.global_batch_size // t.micro_batch_size
+        local, dp_rank = num_micro // dims.dp, dims.coords(rank).dp
+        try:
+            batches = validation_batches(cfg.data, t.eval_batches * num_micro, t.micro_batch_size,
+                                         t.seq_len, cfg.model.vocab_size)
+        except ValueError as e:
+            raise ValueError(f"validation (train.eval_batches={t.eval_batches}): {e}") from None
+        self.num_micro = len(batches)
+        first = dp_rank * local
+        self.rounds = [batches[r * num_micro + first:r * num_micro + first + local]
+                       for r in range(t.eval_batches)]
+
+    def due(self, step: int) -> bool:
+        return bool(self.every) and (step % self.every == 0 or step == self.last)
+
+    def run(self, engine) -> dict:
+        loss_sum = sum(engine.evaluate([x for x, _ in r], [y for _, y in r]) for r in self.rounds)
+        loss = float(loss_sum) / self.num_micro      # the one host sync
+        return {"val_loss": loss, "val_ppl": perplexity(loss)}
+
+
+def build_engine(cfg, layout, device, num_local_micro: int):
+    """The parallel model as the Trainer builds it (meta build, then `parallelize`)."""
+    from moepar.layers import Transformer
+    from moepar.parallel import Options, parallelize
+    from moepar.train import adamw_factory
+    t = cfg.train
+    with torch.device("meta"):
+        model = Transformer(cfg.model, cfg.router, seed=t.seed)
+    options = Options(cfg.parallel, adamw_factory(t), num_micro=num_local_micro,
+                      vocab_size=cfg.model.vocab_size, seq_len=t.seq_len,
+                      compute_dtype=torch.bfloat16 if t.dtype == "bfloat16" else None,
+                      seed=t.seed)
+    # Parameters in float32 under bfloat16 training (autocast), as the Trainer keeps them.
+    dtype = torch.float64 if t.dtype == "float64" else torch.float32
+    return parallelize(model.to(dtype), layout, options)
+
+
+# ---- the command ------------------------------------------------------------------------------
+
+_LAYOUT_KEYS = ("dp", "tp", "pp", "ep", "pp_virtual", "pp_layers", "pp_schedule")
+_DATA_PARALLEL = ["--parallel.dp=0", "--parallel.tp=1", "--parallel.pp=1", "--parallel.ep=1",
+                  "--parallel.pp_virtual=1", "--parallel.pp_layers=", "--parallel.pp_schedule=1f1b"]
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="moepar eval", description="Validation loss and perplexity of a checkpoint on the "
+        "val split of a prepared folder; config keys may be overridden as --section.key=value "
+        "(e.g. --train.seq_len=2048 --train.micro_batch_size=4).")
+    parser.add_argument("source", help="a run directory (its newest checkpoint) or a checkpoint "
+                                       "directory")
+    parser.add_argument("--data", required=True, metavar="DIR",
+                        help="a folder from `moepar data prepare` (its val split is read)")
+    parser.add_argument("--batches", type=int, metavar="N",
+                        help="global batches to evaluate (default: the run's train.eval_batches)")
+    parser.add_argument("--nproc", type=int, default=1, metavar="N",
+                        help="local worker processes (ignored under torchrun)")
+    return parser
+
+
+def _config_file(source) -> str:
+    for folder in (source.weights, source.run_dir):
+        if folder and os.path.isfile(os.path.join(folder, "config.toml")):
+            return os.path.join(folder, "config.toml")
+    raise ValueError(f"no config.toml beside checkpoint {source.weights!r} or in its run "
+                     "directory")
+
+
+def _resolve(args, overrides: list[str], world: int, log):
+    """(source, config, dims), the layout falling back to data parallelism when the run's does
+    not fit `world` ranks (and no --parallel.* layout key was given)."""
+    from moepar.config import load_config
+    from moepar.infer.source import resolve_source
+    from moepar.train import build_dims
+    source = resolve_source(args.source)
+    if source.kind == "hf":
+        raise ValueError(f"{args.source!r} is a Hugging Face folder; convert it first: moepar "
+                         f"convert --from hf {args.source} --to moepar DIR")
+    forced = [f"--data.path={args.data}", "--data.source=tokens", "--data.paths=",
+              "--data.weights=", "--run.resume=false", "--run.resume_from=", "--run.init_from=",
+              "--train.eval_every=0"]
+    if args.batches is not None:
+        forced.append(f"--train.eval_batches={args.batches}")
+    path = _config_file(source)
+    cfg = load_config(path, [*overrides, *forced])
+    try:
+        return source, cfg, build_dims(cfg, world)
+    except ValueError as e:
+        if any(o.lstrip("-").split("=")[0] in {f"parallel.{k}" for k in _LAYOUT_KEYS}
+               for o in overrides):
+            raise
+        log(f"note: the run's layout does not fit {world} process(es) ({e}); evaluating with "
+            "data parallelism")
+    cfg = load_config(path, [*overrides, *_DATA_PARALLEL, *forced])
+    return source, cfg, build_dims(cfg, world)
+
+
+def evaluate_checkpoint(cfg, dims, weights: str) -> dict:
+    """This process's part of `moepar eval` (every rank): the checkpoint's validation figures."""
+    from moepar.checkpoint import load_checkpoint, read_state
+    from moepar.launch import init_process_group, select_device
+    rank = int(os.environ.get("RANK", 0))
+    validation = Validation(cfg, dims, rank)      # data errors before any process group
+    device = select_device(cfg.train.device, cfg.parallel.backend)
+    init_process_group(cfg.parallel, device, dims.world_size)
+    num_local = cfg.train.global_batch_size // cfg.train.micro_batch_size // dims.dp
+    engine = build_engine(cfg, dims.bind(rank, device), device, num_local)
+    load_checkpoint(weights, engine, restore_rng=False)
+    t = cfg.train
+    return {"checkpoint": weights, "step": read_state(weights).get("step"),
+            **validation.run(engine), "micro_batches": validation.num_micro,
+            "tokens": validation.num_micro * t.micro_batch_size * t.seq_len,
+            "layout": dims.describe()}
+
+
+def main(argv: list[str]) -> int:
+    from moepar.launch import end_process_group, launch
+    args, overrides = build_parser().parse_known_args(argv)
+    world = int(os.environ.get("WORLD_SIZE", args.nproc))
+    rank = int(os.environ.get("RANK", 0))
+    log = (lambda msg: print(msg, file=sys.stderr, flush=True)) if rank == 0 else (lambda m: None)
+    try:
+        if args.nproc < 1:
+            raise ValueError(f"--nproc {args.nproc} must be a positive integer")
+        source, cfg, dims = _resolve(args, overrides, world, log)
+    except ValueError as e:
+        print(f"moepar eval: error: {e}", file=sys.stderr)
+        return 2
+    if args.nproc > 1 and "WORLD_SIZE" not in os.environ:
+        return launch(args.nproc, ["eval", *argv])
+    clean = False
+    try:
+        result = evaluate_checkpoint(cfg, dims, source.weights)
+        clean = True
+    except ValueError as e:
+        print(f"moepar eval: error: {e}", file=sys.stderr)
+        return 1
+    finally:
+        end_process_group(clean)
+    if rank == 0:
+        print(json.dumps(result), flush=True)
+    return 0
