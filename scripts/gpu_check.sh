@@ -17,12 +17,12 @@ python3 -c "import torch; assert torch.cuda.is_available(), 'no CUDA device'; \
 print('gpu-check:', torch.cuda.get_device_name(0), 'torch', torch.__version__)" || exit 1
 status=0
 echo "== cuda tests"
-timeout 300 python3 -m pytest tests -m cuda -q -p no:cacheprovider -x 2>&1 | tee "$out/cuda-tests.log" | tail -25 || status=1
+timeout 240 python3 -m pytest tests -m cuda -q -p no:cacheprovider -x 2>&1 | tee "$out/cuda-tests.log" | tail -25 || status=1
 echo "== MoE layer, Mixtral-like shapes, bf16"
-timeout 150 python3 -m moepar bench moe-layer --device cuda --tokens 16384 --dim 4096 \
+timeout 120 python3 -m moepar bench moe-layer --device cuda --tokens 16384 --dim 4096 \
   --ffn-dim 14336 --experts 8 --top-k 2 --dtype bfloat16 --repeats 10 --warmup 3 --json \
   | tee "$out/moe-layer.json" || status=1
 echo "== end to end, examples/moe_1b.toml"
-timeout 150 python3 -m moepar bench train --config examples/moe_1b.toml --device cuda \
+timeout 120 python3 -m moepar bench train --config examples/moe_1b.toml --device cuda \
   --steps 10 --warmup 3 --json | tee "$out/train.json" || status=1
 exit $status
