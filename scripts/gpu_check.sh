@@ -17,7 +17,7 @@ python3 -c "import torch; assert torch.cuda.is_available(), 'no CUDA device'; \
 print('gpu-check:', torch.cuda.get_device_name(0), 'torch', torch.__version__)" || exit 1
 status=0
 echo "== cuda tests"
-timeout 240 python3 -m pytest tests -m cuda -q -p no:cacheprovider -rfE 2> -p no:cacheprovider -x 2>&11 | tee "$out/cuda-tests.log" | tail -25 || status=1
+timeout 240 python3 -m pytest tests -m cuda -q -p no:cacheprovider -rfE 2>&1 | tee "$out/cuda-tests.log" | tail -25 || status=1
 echo "== MoE layer, Mixtral-like shapes, bf16"
 timeout 120 python3 -m moepar bench moe-layer --device cuda --tokens 16384 --dim 4096 \
   --ffn-dim 14336 --experts 8 --top-k 2 --dtype bfloat16 --repeats 10 --warmup 3 --json \
