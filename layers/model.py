@@ -14,6 +14,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from .balance import BalanceStep, MicroBalance
 from .experts import ACTIVATIONS, FeedForward
 from .mla import MLA
 from .rope import RMSNorm, YaRN, apply_rotary, rotary_tables
@@ -205,11 +206,13 @@ class Block(nn.Module):
         else:
             self.ffn = FeedForward(cfg.dim, cfg.ffn_dim, cfg.activation, cfg.init_std, out_std)
 
-    def forward(self, x_BSD, cos_SHd, sin_SHd):
-        """Returns (x_BSD, moe_output or None)."""
+    def forward(self, x_BSD, cos_SHd, sin_SHd, balance: MicroBalance | None = None):
+        """Returns (x_BSD, moe_output or None). `balance`: the micro-batch's holder of a deferred
+        balance loss (layers/balance.py); positional, as activation recompute passes it."""
         h_BSD = x_BSD + self.attn(self.attn_norm(x_BSD), cos_SHd, sin_SHd)
         if self.is_moe:
-            moe_out = self.ffn(self.ffn_norm(h_BSD))
+            slot = None if balance is None else balance.slot(self.layer_id)
+            moe_out = self.ffn(self.ffn_norm(h_BSD), slot)
             return h_BSD + moe_out.y, moe_out
         return h_BSD + self.ffn(self.ffn_norm(h_BSD)), None
 
@@ -218,7 +221,10 @@ class Transformer(nn.Module):
     """forward(tokens_BS) -> (logits_BSV, [MoEOutput per MoE layer, in layer order]).
 
     MoE layers inject their aux losses into backward with scale `aux_loss_scale` (set it to the
-    weight the caller gives each micro-batch's loss, e.g. 1/num_micro_batches).
+    weight the caller gives each micro-batch's loss, e.g. 1/num_micro_batches). A balance loss
+    over all MoE layers (router.balance_loss='all_layers', or the global scope) is finished at
+    the end of forward, over this call's tokens, unless the caller passes its own `balance`
+    holder (a step runner: it finishes it, counts over the step and dp ranks included).
     """
 
     def __init__(self, cfg: ModelConfig, router: RouterConfig | None = None,
@@ -228,7 +234,7 @@ class Transformer(nn.Module):
             seed = int(torch.randint(0, 2 ** 62, ()))
         router = router or RouterConfig()
         router.check_experts(cfg.num_experts, cfg.top_k)
-        self.cfg = cfg
+        self.cfg, self.router_cfg = cfg, router
         self.embed = nn.Embedding(cfg.vocab_size, cfg.dim)
         nn.init.normal_(self.embed.weight, std=cfg.init_std)
         self.layers = nn.ModuleList(Block(cfg, router, i) for i in range(cfg.num_layers))
@@ -259,17 +265,23 @@ class Transformer(nn.Module):
         for moe in self.moe_layers():
             moe.aux_loss_scale = scale
 
-    def forward(self, tokens_BS):
+    def forward(self, tokens_BS, balance: MicroBalance | None = None):
         seq = tokens_BS.shape[1]
         if seq > self.cfg.max_seq_len:
             raise ValueError(f"sequence length {seq} exceeds model.max_seq_len={self.cfg.max_seq_len}")
+        alone = balance is None and self.router_cfg.deferred_balance and torch.is_grad_enabled()
+        if alone:
+            balance = MicroBalance()
         x_BSD = self.embed(tokens_BS)
         cos, sin = self.rope_cos[:seq], self.rope_sin[:seq]
         moe_outputs = []
         for block in self.layers:
-            x_BSD, moe_out = block(x_BSD, cos, sin)
+            x_BSD, moe_out = block(x_BSD, cos, sin, balance)
             if moe_out is not None:
                 moe_outputs.append(moe_out)
+        if alone:
+            BalanceStep(self.router_cfg, self.cfg.num_experts, self.cfg.top_k,
+                        device=x_BSD.device).finish(balance)
         return self.output(x_BSD), moe_outputs
 
     def output(self, x_BSD):
