@@ -112,7 +112,7 @@ class MicroBalance:
 
     def __init__(self):
         self.slots: dict[int, BalanceSlot] = {}
-        self.value = None
+        self.value, self.coef_E = None, None
 
     def slot(self, layer_id: int) -> BalanceSlot:
         if layer_id not in self.slots:
@@ -121,6 +121,7 @@ class MicroBalance:
 
     def set_coef(self, coef_E: torch.Tensor):
         """The same coefficient for every layer (all_layers: f and the P normaliser are shared)."""
+        self.coef_E = coef_E
         for slot in self.slots.values():
             slot.coef_E = coef_E
 
