@@ -5,8 +5,8 @@ same losses, aux losses, grad norms and parameters at every layout as the refere
 
 The reference is one process, except for the global scope with dp = 2: the scope's counts span
 the dp ranks by definition, so layouts with dp = 2 are compared with the dp = 2 run (2 ranks,
-nothing else split); tests/unit/test_balance.py checks that run's numbers by hand.
-    python -m pytest tests/dist/test_balance.py -q
+nothing else split), whose gradients are checked against a hand computation below.
+    python -m pytest tests/dist/test_balance_parity.py -q
 """
 
 import math
@@ -136,3 +136,90 @@ def test_global_scope_dp2_parity(worlds, tmp_path, dp2_reference, dp2_deep_refer
     params = results[0][1]
     for name, want in want_params.items():
         torch.testing.assert_close(params[name], want, rtol=1e-9, atol=1e-12, msg=name)
+
+
+# ---- the global scope's semantics, by hand -------------------------------------------------
+
+def hand_reference(run_dir: str, overrides: list[str], dp: int):
+    """One step's gradients and aux loss with the global-scope balance loss built in plain
+    autograd from a model that trains no balance loss itself (balance_coeff 0, same initial
+    values): micro-batch j of dp rank d takes f from the counts of micro-batches 0..j of every
+    dp rank (rank d holds the step's global micro-batches d*m .. d*m+m-1), P from its own."""
+    cfg = tiny_config(run_dir, *COMMON, *overrides)
+    coeff, all_layers = cfg.router.balance_coeff, cfg.router.balance_loss == "all_layers"
+    trainer = Trainer(tiny_config(run_dir, *COMMON, *overrides, "--router.balance_coeff=0"),
+                      log=lambda _m: None)
+    model, E, K = trainer.model, cfg.model.num_experts, cfg.model.top_k
+    num_micro = cfg.train.global_batch_size // cfg.train.micro_batch_size
+    m = num_micro // dp
+    model.set_aux_loss_scale(1.0 / num_micro)   # the z and sequence losses, as the trainer
+    probs = []
+    for moe in model.moe_layers():      # record each router's probabilities, with their graph
+        moe.router.balance_probs = (lambda f: lambda s: probs.append(f(s)) or probs[-1])(
+            moe.router.balance_probs)
+    runs = []
+    for g in range(num_micro):
+        probs.clear()
+        logits, outs = model(trainer.sampler.batch(g)[0])
+        ce = torch.nn.functional.cross_entropy(logits.flatten(0, 1),
+                                               trainer.sampler.batch(g)[1].flatten())
+        counts = [o.stats.tokens_per_expert_E.double() for o in outs]
+        runs.append((ce, list(probs), counts))
+    total, aux = 0.0, 0.0
+    for g, (ce, probs_L, counts_L) in enumerate(runs):
+        j = g % m
+        seen = [g2 for g2 in range(num_micro) if g2 % m <= j]     # every rank's 0..j
+        tokens = probs_L[0].shape[0]
+        if all_layers:
+            f = sum(c for g2 in seen for c in runs[g2][2]) / (len(seen) * len(counts_L) * tokens)
+            p = sum(pr.sum(0) for pr in probs_L) / (len(counts_L) * tokens)
+            balance = E * torch.sum(f * p)
+        else:
+            balance = sum(E * torch.sum(sum(runs[g2][2][l] for g2 in seen)
+                                        / (len(seen) * tokens * K) * probs_L[l].mean(0))
+                          for l in range(len(counts_L)))
+        total = total + (ce + coeff * balance) / num_micro
+        aux += float(coeff * balance.detach()) / num_micro
+    total.backward()
+    return {n: p.grad for n, p in model.named_parameters()}, aux
+
+
+# Dropless, and no sequence-wise loss in the logged aux loss (the z-loss stays, trained alike).
+HAND = ["--router.capacity_factor=none", "--router.seq_balance_coeff=0"]
+
+
+def case_first_step_grads(run_dir: str, overrides: list[str]):
+    """Gradients (synced) and logged aux loss of the first step, on rank 0 (others: None)."""
+    from moepar.metrics import StepStats
+    trainer = Trainer(tiny_config(run_dir, *COMMON, *overrides), log=lambda _m: None)
+    engine = trainer.engine
+    stats = StepStats(len(engine.moe_layer_ids), trainer.cfg.model.num_experts, trainer.device)
+    loss_sum = trainer.forward_backward(stats)
+    engine.finish_step(stats, loss_sum)
+    grads = {n: engine.sync.grad_view(p).clone() for n, p in trainer.model.named_parameters()}
+    return (grads, stats.summary()["aux_loss"]) if dist.get_rank() == 0 else None
+
+
+@pytest.mark.parametrize("router", [GLOBAL, QWEN3], ids=["per_layer", "all_layers"])
+def test_global_scope_spans_dp_ranks_and_earlier_micro_batches(worlds, tmp_path, router):
+    overrides = [*router, *HAND, "--parallel.ep=1"]
+    want, want_aux = hand_reference(str(tmp_path / "ref"), overrides, dp=2)
+    got, got_aux = worlds(2).run(case_first_step_grads, str(tmp_path / "run"), overrides,
+                                 timeout=240)[0]
+    assert math.isclose(got_aux, want_aux, rel_tol=1e-10)
+    for name, g in want.items():
+        torch.testing.assert_close(got[name], g, rtol=1e-9, atol=1e-13, msg=name)
+
+
+@pytest.mark.parametrize("router", [GLOBAL, QWEN3], ids=["per_layer", "all_layers"])
+def test_global_scope_running_sum_on_one_process(tmp_path, router):
+    """dp = 1: micro-batch j's counts are those of micro-batches 0..j of the step."""
+    overrides = [*router, *HAND]
+    want, want_aux = hand_reference(str(tmp_path / "ref"), overrides, dp=1)
+    from moepar.metrics import StepStats
+    trainer = Trainer(tiny_config(str(tmp_path / "run"), *COMMON, *overrides), log=lambda _m: None)
+    stats = StepStats(len(trainer.engine.moe_layer_ids), 8, trainer.device)
+    trainer.engine.finish_step(stats, trainer.forward_backward(stats))
+    assert math.isclose(stats.summary()["aux_loss"], want_aux, rel_tol=1e-10)
+    for name, p in trainer.model.named_parameters():
+        torch.testing.assert_close(p.grad, want[name], rtol=1e-9, atol=1e-13, msg=name)
