@@ -137,7 +137,7 @@ def test_transformers_models_own_aux_loss_and_router_gradients(arch, tmp_path):
     holder = MicroBalance()
     logits, _ = model(tokens, holder)
     value = BalanceStep(model.router_cfg, model.cfg.num_experts, model.cfg.top_k).finish(holder)
-    assert math.isclose(float(value) / COEF, float(out.aux_loss), rel_tol=1e-5)
+    assert math.isclose(float(value) / COEF, float(out.aux_loss.detach()), rel_tol=1e-5)
     ce = torch.nn.functional.cross_entropy(logits[:, :-1].flatten(0, 1), tokens[:, 1:].flatten())
     ce.backward()
     moe_layers = [i for i in range(COMMON["num_hidden_layers"]) if model.cfg.is_moe_layer(i)]
