@@ -218,3 +218,87 @@ def test_export_of_per_layer_with_several_moe_layers_states_the_mismatch():
     assert export_notes(HF_ARCHS["qwen3_moe"], all_layers, model_cfg) == []
     assert hf_config_dict(HF_ARCHS["qwen3_moe"], model_cfg, all_layers)["router_aux_loss_coef"] \
         == 0.03
+
+
+# ---- DeepSeek-V3: transformers trains no balance loss; the selection bias --------------------
+
+def deepseek_v3(tmp_path):
+    torch.manual_seed(0)
+    config = transformers.DeepseekV3Config(
+        **{**COMMON, "num_key_value_heads": 4}, intermediate_size=40, moe_intermediate_size=24,
+        n_routed_experts=8, n_shared_experts=1, n_group=2, topk_group=1, first_k_dense_replace=1,
+        q_lora_rank=16, kv_lora_rank=12, qk_nope_head_dim=8, qk_rope_head_dim=4, v_head_dim=6,
+        routed_scaling_factor=2.5)
+    model = transformers.DeepseekV3ForCausalLM(config)
+    with torch.no_grad():     # the score-correction bias must steer selection, not sit at 0
+        for module in model.modules():
+            if hasattr(module, "e_score_correction_bias"):
+                module.e_score_correction_bias.normal_(0, 0.05)
+    model.save_pretrained(tmp_path / "ds")
+    return model, str(tmp_path / "ds")
+
+
+def test_deepseek_v3_trains_no_balance_loss_in_transformers(tmp_path):
+    """transformers' DeepseekV3ForCausalLM: the training loss is the cross-entropy alone, even
+    asked for router logits (no aux loss in the output); so import sets no balance loss."""
+    hf, path = deepseek_v3(tmp_path)
+    tokens = ids()
+    out = hf.train()(tokens, labels=tokens, output_router_logits=True)
+    ce = torch.nn.functional.cross_entropy(out.logits[:, :-1].flatten(0, 1).float(),
+                                           tokens[:, 1:].flatten())
+    assert float(out.loss.detach()) == float(ce.detach())
+    assert getattr(out, "aux_loss", None) is None
+    assert len(out.router_logits) == 2       # computed, and left unused
+    _, _, router = read_hf_config(path)
+    assert (router.balance_coeff, router.seq_balance_coeff, router.z_coeff) == (0.0, 0.0, 0.0)
+    assert not router.deferred_balance
+
+
+def test_deepseek_v3_bias_steers_selection_not_weights_as_in_transformers(tmp_path):
+    """The converted router picks transformers' experts (e_score_correction_bias added for the
+    choice, group-limited) and weighs them as it does (the unbiased sigmoid scores, normalised,
+    times routed_scaling_factor); with the bias zeroed the choice changes, the rule does not."""
+    hf, path = deepseek_v3(tmp_path)
+    model = from_hf(path, torch.float32).model
+    x = torch.randn(40, COMMON["hidden_size"], generator=torch.Generator().manual_seed(2))
+    for i in (1, 2):
+        gate, router = hf.model.layers[i].mlp.gate, model.layers[i].ffn.router
+        for zero_bias in (False, True):
+            if zero_bias:
+                with torch.no_grad():
+                    gate.e_score_correction_bias.zero_()
+                    router.expert_bias_E.zero_()
+            _, want_w, want_e = gate(x)
+            routing, _, _ = router(x)
+            got_e, got_w = routing.expert_N.view(40, -1), routing.weight_N.view(40, -1)
+            order_want, order_got = want_e.argsort(-1), got_e.argsort(-1)
+            assert torch.equal(got_e.gather(1, order_got), want_e.gather(1, order_want))
+            torch.testing.assert_close(got_w.gather(1, order_got), want_w.gather(1, order_want),
+                                       rtol=1e-6, atol=1e-7)
+            if not zero_bias:
+                biased = got_e.sort(-1).values
+        assert not torch.equal(biased, got_e.sort(-1).values)     # the bias did steer
+
+
+def test_sequence_balance_loss_is_deepseek_v3_formula():
+    """router.seq_balance_coeff's loss is DeepSeek-V3's complementary sequence-wise loss
+    (arXiv 2412.19437, eqs. 17-20) with the routed experts as its indicator: per sequence,
+    f_i = E/(K S) * #tokens routed to i, P_i = mean over tokens of s_i / sum_j s_j (sigmoid
+    affinities normalised), loss = sum_i f_i P_i, averaged over sequences. Written here
+    loop by loop from the paper; moepar's router computes it from its own tensors."""
+    from moepar.layers.router import TopKRouter
+    E, K, B, S = 8, 2, 3, 10
+    torch.manual_seed(0)
+    router = TopKRouter(16, E, K, RouterConfig(score_func="sigmoid", n_group=2, topk_group=1,
+                                               seq_balance_coeff=1.0)).double()
+    x = torch.randn(B * S, 16, dtype=torch.float64)
+    routing, losses, _ = router(x, seq_len=S)
+    s = torch.sigmoid(x @ router.weight.detach().t())
+    chosen = routing.expert_N.view(B, S, K)
+    want = 0.0
+    for b in range(B):
+        for i in range(E):
+            f = E / (K * S) * sum(int(i in chosen[b, t].tolist()) for t in range(S))
+            p = sum(float(s[b * S + t, i] / s[b * S + t].sum()) for t in range(S)) / S
+            want += f * p / B
+    assert math.isclose(float(losses.seq_balance), want, rel_tol=1e-12)
