@@ -188,3 +188,25 @@ def test_sequence_parallel_router_gives_the_same_deferred_sums():
     assert grouped.parts.num_tokens == plain.parts.num_tokens == 30
     torch.testing.assert_close(grouped.parts.prob_sum_E, plain.parts.prob_sum_E, rtol=1e-14, atol=0)
     assert math.isclose(float(plain.total), 0.0)      # the balance term is the holder's now
+
+
+@pytest.mark.parametrize("router", [dict(balance_loss="all_layers"), dict(balance_scope="global"),
+                                    dict(balance_loss="all_layers", balance_scope="global")],
+                         ids=["all_layers", "global", "all_layers_global"])
+def test_deferred_balance_adds_no_host_sync(router):
+    """The budget of tests/unit/test_syncs.py holds with a deferred balance loss: one sync per
+    MoE layer in forward (the dispatch's split sizes), finishing included; none in backward."""
+    from synccount import SyncCounter
+    cfg = ModelConfig(vocab_size=64, dim=32, num_layers=3, num_heads=4, num_kv_heads=2,
+                      num_experts=4, top_k=2)
+    model = Transformer(cfg, RouterConfig(**router), seed=1)
+    tokens = torch.randint(0, 64, (2, 8), generator=torch.Generator().manual_seed(0))
+    model(tokens)[0].sum().backward()      # warm-up (grouped-GEMM probe cache)
+    with SyncCounter() as fwd:
+        holder = MicroBalance()
+        logits, _ = model(tokens, holder)
+        BalanceStep(model.router_cfg, 4, 2).finish(holder)
+    with SyncCounter() as bwd:
+        logits.sum().backward()
+    assert fwd.count == 3, f"forward syncs:\n{fwd.report()}"
+    assert bwd.count == 0, f"backward syncs:\n{bwd.report()}"
