@@ -15,6 +15,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from .balance import BalanceStep, MicroBalance
 from .cache import KVCache, LayerCache, causal_attention
 from .experts import ACTIVATIONS, FeedForward
 from .mla import MLA
@@ -211,13 +212,16 @@ class Block(nn.Module):
         else:
             self.ffn = FeedForward(cfg.dim, cfg.ffn_dim, cfg.activation, cfg.init_std, out_std)
 
-    def forward(self, x_BSD, cos_SHd, sin_SHd, cache: LayerCache | None = None):
-        """Returns (x_BSD, moe_output or None)."""
+    def forward(self, x_BSD, cos_SHd, sin_SHd, balance: MicroBalance | None = None,
+                cache: LayerCache | None = None):
+        """Returns (x_BSD, moe_output or None). `balance`: the micro-batch's holder of a deferred
+        balance loss (layers/balance.py); positional, as activation recompute passes it."""
         # Only decoding passes a cache (parallel/tensor.py's sequence-parallel attention takes none).
         extra = () if cache is None else (cache,)
         h_BSD = x_BSD + self.attn(self.attn_norm(x_BSD), cos_SHd, sin_SHd, *extra)
         if self.is_moe:
-            moe_out = self.ffn(self.ffn_norm(h_BSD))
+            slot = None if balance is None else balance.slot(self.layer_id)
+            moe_out = self.ffn(self.ffn_norm(h_BSD), slot)
             return h_BSD + moe_out.y, moe_out
         return h_BSD + self.ffn(self.ffn_norm(h_BSD)), None
 
@@ -226,7 +230,10 @@ class Transformer(nn.Module):
     """forward(tokens_BS) -> (logits_BSV, [MoEOutput per MoE layer, in layer order]).
 
     MoE layers inject their aux losses into backward with scale `aux_loss_scale` (set it to the
-    weight the caller gives each micro-batch's loss, e.g. 1/num_micro_batches).
+    weight the caller gives each micro-batch's loss, e.g. 1/num_micro_batches). A balance loss
+    over all MoE layers (router.balance_loss='all_layers', or the global scope) is finished at
+    the end of forward, over this call's tokens, unless the caller passes its own `balance`
+    holder (a step runner: it finishes it, counts over the step and dp ranks included).
     """
 
     def __init__(self, cfg: ModelConfig, router: RouterConfig | None = None,
@@ -236,7 +243,7 @@ class Transformer(nn.Module):
             seed = int(torch.randint(0, 2 ** 62, ()))
         router = router or RouterConfig()
         router.check_experts(cfg.num_experts, cfg.top_k)
-        self.cfg = cfg
+        self.cfg, self.router_cfg = cfg, router
         self.embed = nn.Embedding(cfg.vocab_size, cfg.dim)
         nn.init.normal_(self.embed.weight, std=cfg.init_std)
         self.layers = nn.ModuleList(Block(cfg, router, i) for i in range(cfg.num_layers))
@@ -267,22 +274,31 @@ class Transformer(nn.Module):
         for moe in self.moe_layers():
             moe.aux_loss_scale = scale
 
-    def forward(self, tokens_BS, cache: KVCache | None = None, logits_to_keep: int = 0):
-        """`cache` (decoding): tokens_BS are the positions after the cached ones; their keys and
-        values are added to it. Each call is one capacity group of its MoE layers.
-        `logits_to_keep` > 0: logits of the last that many positions only (a prompt's prefill
-        needs one row of [S, V], not all)."""
+    def forward(self, tokens_BS, balance: MicroBalance | None = None, *, cache: KVCache | None = None,
+                logits_to_keep: int = 0):
+        """`balance`: the micro-batch's holder of a deferred balance loss (None: a holder of this
+        call's own when training needs one). `cache` (decoding): tokens_BS are the positions after
+        the cached ones; their keys and values are added to it. Each call is one capacity group of
+        its MoE layers. `logits_to_keep` > 0: logits of the last that many positions only (a
+        prompt's prefill needs one row of [S, V], not all)."""
         start = 0 if cache is None else cache.length
         end = start + tokens_BS.shape[1]
         if end > self.cfg.max_seq_len:
             raise ValueError(f"sequence length {end} exceeds model.max_seq_len={self.cfg.max_seq_len}")
+        alone = balance is None and self.router_cfg.deferred_balance and torch.is_grad_enabled()
+        if alone:
+            balance = MicroBalance()
         x_BSD = self.embed(tokens_BS)
         cos, sin = self.rope_cos[start:end], self.rope_sin[start:end]
         moe_outputs = []
         for i, block in enumerate(self.layers):
-            x_BSD, moe_out = block(x_BSD, cos, sin, None if cache is None else cache.layers[i])
+            x_BSD, moe_out = block(x_BSD, cos, sin, balance,
+                                   None if cache is None else cache.layers[i])
             if moe_out is not None:
                 moe_outputs.append(moe_out)
+        if alone:
+            BalanceStep(self.router_cfg, self.cfg.num_experts, self.cfg.top_k,
+                        device=x_BSD.device).finish(balance)
         if logits_to_keep:
             x_BSD = x_BSD[:, -logits_to_keep:]
         return self.output(x_BSD), moe_outputs

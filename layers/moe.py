@@ -16,14 +16,19 @@ attaches their gradient inside autograd (scale-and-inject): the output is unchan
 adds d(total)/d(router) * scale, so the losses train the router under gradient accumulation,
 activation recompute and any pipeline schedule without reaching the final loss. The injection
 rides on the combine weights (N numbers, not the [T, D] output), which every backward through
-the layer's output reaches.
+the layer's output reaches. A balance loss that needs counts beyond this call (all MoE layers of
+the micro-batch, or the global scope: layers/balance.py) is injected the same way, as
+d(loss)/d(probability sums) * scale, read in backward from the layer's `BalanceSlot`, which the
+micro-batch's runner fills in after the forward; how it is injected is fixed at build time.
 """
 
+import dataclasses
 from typing import NamedTuple
 
 import torch
 from torch import nn
 
+from .balance import BalanceSlot, BalanceStep, MicroBalance
 from .dispatch import LocalDispatcher
 from .experts import ACTIVATIONS, GroupedExperts, SharedExperts
 from .router import RouterConfig, RouterLosses, RoutingStats, build_router
@@ -38,26 +43,39 @@ class MoEOutput(NamedTuple):
 
 
 class _InjectAuxLoss(torch.autograd.Function):
-    """Forward: a copy of y. Backward: y's gradient passes through; aux_loss gets `scale`."""
+    """Forward: a copy of y. Backward: y's gradient passes through; aux_loss gets `scale`, and
+    prob_sum_E (a deferred balance loss's input) gets slot.coef_E * scale, read only now."""
 
     @staticmethod
-    def forward(ctx, y, aux_loss, scale: float):
-        ctx.scale = scale
+    def forward(ctx, y, aux_loss, prob_sum_E, scale: float, slot):
+        ctx.scale, ctx.slot = scale, slot
         ctx.aux_shape, ctx.aux_dtype = aux_loss.shape, aux_loss.dtype
+        ctx.sum_dtype = None if prob_sum_E is None else prob_sum_E.dtype
         return y.clone()
 
     @staticmethod
     def backward(ctx, grad_y):
         grad_aux = torch.full(ctx.aux_shape, ctx.scale, dtype=ctx.aux_dtype, device=grad_y.device)
-        return grad_y, grad_aux, None
+        grad_sum = None
+        if ctx.sum_dtype is not None:
+            coef_E = ctx.slot.coef_E
+            if coef_E is None:
+                raise RuntimeError(
+                    "an MoE layer's deferred balance loss (router.balance_loss='all_layers' or "
+                    "router.balance_scope='global') got no coefficient: run the micro-batch "
+                    "through Transformer.forward, or a step runner, which fill it in after the "
+                    "forward")
+            grad_sum = (coef_E * ctx.scale).to(ctx.sum_dtype)
+        return grad_y, grad_aux, grad_sum, None, None
 
 
-def inject_aux_loss(y, aux_loss, scale: float):
+def inject_aux_loss(y, aux_loss, scale: float, prob_sum_E=None, slot: BalanceSlot | None = None):
     """Returns y's values (a copy, so callers may modify it in place); in backward, aux_loss
-    receives gradient `scale` whenever y does."""
-    if not aux_loss.requires_grad:
+    receives gradient `scale` whenever y does, and `prob_sum_E` (when given) slot.coef_E * scale."""
+    deferred = prob_sum_E is not None and prob_sum_E.requires_grad
+    if not aux_loss.requires_grad and not deferred:
         return y
-    return _InjectAuxLoss.apply(y, aux_loss, scale)
+    return _InjectAuxLoss.apply(y, aux_loss, prob_sum_E if deferred else None, scale, slot)
 
 
 class MoE(nn.Module):
@@ -92,8 +110,17 @@ class MoE(nn.Module):
             self.shared = SharedExperts(dim, hidden, activation, shared_gate, init_std, out_init_std)
         # The seam parallelisms swap (expert parallelism installs an all-to-all dispatcher).
         self.dispatcher = LocalDispatcher(num_experts)
+        # How the losses' gradient is attached, fixed here (see the module docstring).
+        self._inject = self._inject_deferred if cfg.deferred_balance else self._inject_total
+        if cfg.deferred_balance and aux_loss_scale is None:
+            raise ValueError(f"router.balance_loss={cfg.balance_loss!r} with router.balance_scope="
+                             f"{cfg.balance_scope!r} is injected, never returned as a number to "
+                             "add: build the MoE layer with aux_loss_scale set")
 
-    def forward(self, x) -> MoEOutput:
+    def forward(self, x, balance: BalanceSlot | None = None) -> MoEOutput:
+        """`balance`: this layer's slot of the micro-batch's holder (layers/balance.py), for a
+        deferred balance loss; without one (a layer used alone) the layer's own tokens are the
+        whole micro-batch and it finishes the loss itself."""
         if x.shape[-1] != self.dim:
             raise ValueError(f"MoE expects [..., {self.dim}], got {tuple(x.shape)}")
         seq_len = x.shape[-2] if x.dim() >= 2 else 1
@@ -106,9 +133,26 @@ class MoE(nn.Module):
         losses, stats = finish_router()
         weight_N = routing.weight_N
         if self.aux_loss_scale is not None:
-            weight_N = inject_aux_loss(weight_N, losses.total, self.aux_loss_scale)
+            weight_N, losses = self._inject(weight_N, losses, balance)
         shared_TD = self.shared(x_TD) if self.shared is not None else None
         y_TD = self.dispatcher.finish(started, self.experts, weight_N).to(x.dtype)
         if shared_TD is not None:
             y_TD = y_TD + shared_TD
         return MoEOutput(y_TD.view(x.shape[:-1] + (y_TD.shape[-1],)), losses, stats)
+
+    def _inject_total(self, weight_N, losses: RouterLosses, balance):
+        return inject_aux_loss(weight_N, losses.total, self.aux_loss_scale), losses
+
+    def _inject_deferred(self, weight_N, losses: RouterLosses, balance):
+        parts = losses.parts
+        if balance is None and torch.is_grad_enabled():
+            holder = MicroBalance()     # alone: this call is the whole micro-batch and model
+            balance = holder.slot(0)
+            balance.parts = parts.detach()
+            BalanceStep(self.router.cfg, self.num_experts, self.top_k,
+                        device=weight_N.device).finish(holder)
+        if balance is not None and balance.parts is None:   # (a recompute finds them set)
+            balance.parts = parts.detach()
+        weight_N = inject_aux_loss(weight_N, losses.total, self.aux_loss_scale, parts.prob_sum_E,
+                                   balance)
+        return weight_N, dataclasses.replace(losses, parts=parts.detach())

@@ -7,7 +7,12 @@ Both routers return the same flat form, `Routing(token_N, expert_N, weight_N)`: 
 token `token_N[n]`, goes to expert `expert_N[n]` (or to `E`, meaning dropped, never sent), and is
 combined with `weight_N[n]`. Top-k routing has N = T*K in token-major order; expert-choice routing
 has N = E*C in expert-major order. Scores, softmax and losses are computed in float32 (float64 when
-the input is float64), whatever the autocast dtype.
+the input is float64), whatever the autocast dtype. The loss maths lives in balance.py.
+
+Code paths are fixed when the router is built: this file's `TopKRouter` routes a whole micro-batch;
+under sequence parallelism `moepar.parallel.sequence_router` swaps in a subclass that routes one
+tp slice with the capacity and losses of the whole micro-batch; whether the balance loss is this
+call's or deferred to the micro-batch's holder (balance.py) follows the config, read once.
 """
 
 import math
@@ -17,6 +22,9 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+from .balance import (BALANCE_LOSSES, BALANCE_SCOPES, BalanceParts, expert_counts,
+                      sequence_balance_loss, switch_balance_loss, z_loss)
 
 __all__ = ["RouterConfig", "Routing", "RouterLosses", "RoutingStats", "TopKRouter",
            "ExpertChoiceRouter", "build_router", "capacity", "expert_counts", "switch_balance_loss",
@@ -38,7 +46,12 @@ class RouterConfig:
     topk_group: int = 1                # groups each token may pick experts from
     capacity_factor: float | None = None  # None: dropless; else C = ceil(T*K*cf/E) per group
     drop_policy: str = "probs"         # over capacity, keep highest "probs" or earliest "position"
-    balance_coeff: float = 0.01        # Switch/GShard loss over the micro-batch
+    balance_coeff: float = 0.01        # weight of the balance loss defined by the next two
+    balance_loss: str = "per_layer"    # "per_layer": Switch/GShard loss of each MoE layer, summed;
+                                       # "all_layers": one loss over all MoE layers' counts
+                                       # (transformers' Mixtral, Qwen2/3-MoE, OLMoE); balance.py
+    balance_scope: str = "micro_batch" # counts of the "micro_batch", or "global": summed over dp
+                                       # ranks and the step's micro-batches so far (Qwen3, Megatron)
     seq_balance_coeff: float = 0.0     # the same loss per sequence, averaged (DeepSeek-V3)
     z_coeff: float = 0.0               # mean squared logsumexp of the router logits
     bias_update_rate: float = 0.0      # aux-loss-free balancing: bias += rate * sign(mean - load)
@@ -47,6 +60,13 @@ class RouterConfig:
         _check_choice("router.type", self.type, _ROUTER_TYPES)
         _check_choice("router.score_func", self.score_func, _SCORE_FUNCS)
         _check_choice("router.drop_policy", self.drop_policy, _DROP_POLICIES)
+        _check_choice("router.balance_loss", self.balance_loss, BALANCE_LOSSES)
+        _check_choice("router.balance_scope", self.balance_scope, BALANCE_SCOPES)
+        if self.type == "expert_choice" and (self.balance_loss, self.balance_scope) != (
+                "per_layer", "micro_batch"):
+            raise ValueError(f"router.balance_loss={self.balance_loss!r} and router.balance_scope="
+                             f"{self.balance_scope!r} need router.type='topk': expert-choice "
+                             "routing is balanced by construction and has no balance loss")
         if self.n_group < 1 or self.topk_group < 1 or self.topk_group > self.n_group:
             raise ValueError(f"router.topk_group={self.topk_group} must be in [1, router.n_group="
                              f"{self.n_group}] and router.n_group >= 1")
@@ -60,6 +80,13 @@ class RouterConfig:
         for name in ("balance_coeff", "seq_balance_coeff", "z_coeff", "bias_update_rate"):
             check_number(f"router.{name}", getattr(self, name))
         check_number("router.routed_scaling_factor", self.routed_scaling_factor, strict=True)
+
+    @property
+    def deferred_balance(self) -> bool:
+        """True when the balance loss needs counts beyond one router call (all_layers, or the
+        global scope): its gradient then comes through the micro-batch's holder (balance.py)."""
+        return self.balance_coeff > 0 and (self.balance_loss, self.balance_scope) != (
+            "per_layer", "micro_batch")
 
     def check_experts(self, num_experts: int, top_k: int):
         """Checks that need the model's expert counts; raises naming both sides."""
@@ -103,6 +130,9 @@ class RouterLosses:
     balance: torch.Tensor      # unweighted values, detached, for logging
     seq_balance: torch.Tensor
     z: torch.Tensor
+    # With a deferred balance loss (RouterConfig.deferred_balance): the layer's sums it is built
+    # from; `total` then leaves the balance term out. prob_sum_E carries gradient from the router.
+    parts: BalanceParts | None = None
 
 
 @dataclass(frozen=True)
@@ -119,43 +149,6 @@ def capacity(num_tokens: int, top_k: int, capacity_factor: float, num_experts: i
     """
     factor = Fraction(repr(float(capacity_factor)))
     return math.ceil(Fraction(num_tokens * top_k) * factor / num_experts)
-
-
-def expert_counts(experts, num_experts: int, per_row: bool = False):
-    """Copies per expert (int64, [E]; [B, E] per row of dim 0 with `per_row`) by a scatter-add of
-    static size: no host sync, unlike `torch.bincount`, which reads the largest id on the host
-    (two syncs on CUDA). Integer adds commute, so the counts are exact whatever the order of the
-    GPU's atomics (float counts would be too, below 2^24, but integers need no argument)."""
-    ids_BN = experts.reshape(experts.shape[0] if per_row else 1, -1)
-    counts_BE = torch.zeros(ids_BN.shape[0], num_experts, dtype=torch.long, device=ids_BN.device)
-    counts_BE.scatter_add_(1, ids_BN, torch.ones_like(ids_BN))
-    return counts_BE if per_row else counts_BE[0]
-
-
-def switch_balance_loss(probs_TE, experts_TK, counts_E=None):
-    """Switch/GShard loss E * sum_e f_e * P_e over the group; 1.0 when perfectly balanced.
-
-    f_e = share of the T*K routed copies sent to e (before drops), P_e = mean probability of e.
-    `counts_E` (copies per expert) is computed here unless the caller already has it.
-    """
-    num_tokens, num_experts = probs_TE.shape
-    if counts_E is None:
-        counts_E = expert_counts(experts_TK, num_experts)
-    f_E = counts_E.to(probs_TE.dtype) / experts_TK.numel()
-    return num_experts * torch.sum(f_E * probs_TE.mean(0))
-
-
-def sequence_balance_loss(probs_BSE, experts_BSK):
-    """The Switch loss computed within each sequence and averaged over sequences."""
-    num_seqs, seq_len, num_experts = probs_BSE.shape
-    counts_BE = expert_counts(experts_BSK, num_experts, per_row=True).to(probs_BSE.dtype)
-    f_BE = counts_BE / experts_BSK[0].numel()
-    return num_experts * torch.sum(f_BE * probs_BSE.mean(1), dim=1).mean()
-
-
-def z_loss(logits_TE):
-    """Mean over tokens of logsumexp(logits)^2 (ST-MoE): keeps router logits small."""
-    return torch.logsumexp(logits_TE, dim=-1).square().mean()
 
 
 def _logged_unless(coeff: float, loss_fn, *args):
@@ -193,14 +186,13 @@ class TopKRouter(_RouterBase):
     weights; `update_bias` moves it by the sign rule from one step's load.
     """
 
-    # The seam sequence (tensor) parallelism sets: this router then sees only a slice of every
-    # sequence, and the group object (gather / local / total, see _group_losses) makes capacity
-    # and the balance and z losses cover the whole micro-batch, as without the split.
-    token_group = None
-
     def __init__(self, dim: int, num_experts: int, top_k: int, cfg: RouterConfig):
         super().__init__(dim, num_experts, top_k, cfg)
         self.register_buffer("expert_bias_E", torch.zeros(num_experts, dtype=torch.float32))
+        # Read once: the balance loss is this call's (trained here, with its coefficient) or
+        # deferred to the micro-batch's holder (then only logged here, and `parts` returned).
+        self.deferred_balance = cfg.deferred_balance
+        self.call_balance_coeff = 0.0 if self.deferred_balance else cfg.balance_coeff
 
     def select(self, scores_TE):
         """Top-k expert ids per token, chosen on scores + bias within the best topk_group groups."""
@@ -224,8 +216,7 @@ class TopKRouter(_RouterBase):
         that returns (RouterLosses, RoutingStats). The MoE layer calls `finish` while the
         dispatch is in flight: nothing the dispatch reads waits for the balance and z losses,
         and `finish` reads only tensors this call made (no parameter: under FSDP they may be
-        resharded by then). With a token group (sequence parallelism) the losses talk on the tp
-        group, so they are computed here, before the dispatch's collectives.
+        resharded by then).
         """
         routing, finish = self._route(x_TD, seq_len)
         return (routing, finish) if defer_losses else (routing, *finish())
@@ -241,57 +232,64 @@ class TopKRouter(_RouterBase):
         if cfg.routed_scaling_factor != 1.0:
             weights_TK = weights_TK * cfg.routed_scaling_factor
         seq_len = seq_len or num_tokens
-        group = self.token_group
 
         expert_N = experts_TK.flatten()
         weight_N = weights_TK.flatten()
         if cfg.capacity_factor is not None:
-            group_tokens = num_tokens * (group.size if group is not None else 1)
-            cap = capacity(group_tokens, self.top_k, cfg.capacity_factor, self.num_experts)
-            if group is None:
-                keep_N = self._within_capacity(expert_N, weight_N.detach(), cap)
-            else:
-                keep_N = self._group_within_capacity(expert_N, weight_N.detach(), cap, seq_len, group)
+            keep_N = self._keep(expert_N, weight_N.detach(), seq_len)
             expert_N = torch.where(keep_N, expert_N, self.num_experts)
         token_N = torch.arange(num_tokens, device=x_TD.device).repeat_interleave(self.top_k)
         routing = Routing(token_N, expert_N, weight_N, self.top_k)
+        return routing, self._finisher(
+            lambda: self._losses(logits_TE, scores_TE, experts_TK, expert_N, seq_len))
 
-        def finish():
-            return self._losses(logits_TE, scores_TE, experts_TK, expert_N, seq_len)
+    def _finisher(self, finish):
+        """The losses wait for the MoE layer's call (they overlap the dispatch)."""
+        return finish
 
-        if group is not None:
-            done = finish()
-            return routing, lambda: done
-        return routing, finish
+    def _keep(self, expert_N, weight_N, seq_len: int):
+        """Capacity: True for the assignments kept (the group is this call's tokens)."""
+        cap = capacity(expert_N.numel() // self.top_k, self.top_k, self.cfg.capacity_factor,
+                       self.num_experts)
+        return self._within_capacity(expert_N, weight_N, cap)
+
+    def balance_probs(self, scores_TE):
+        """The distribution over experts the balance losses see: sigmoid scores normalised."""
+        if self.cfg.score_func == "softmax":
+            return scores_TE
+        return scores_TE / (scores_TE.sum(-1, keepdim=True) + 1e-20)
 
     def _losses(self, logits_TE, scores_TE, experts_TK, expert_N, seq_len: int):
-        cfg, num_tokens, group = self.cfg, logits_TE.shape[0], self.token_group
-        # Balance losses see a distribution over experts; sigmoid scores are normalised for them.
-        probs_TE = scores_TE if cfg.score_func == "softmax" else scores_TE / (
-            scores_TE.sum(-1, keepdim=True) + 1e-20)
+        cfg = self.cfg
+        probs_TE = self.balance_probs(scores_TE)
         counts_E = expert_counts(experts_TK, self.num_experts)   # the loss's and the stats'
-        if group is None:
-            # A loss whose coefficient is zero is only logged: no graph, no backward through it.
-            balance = _logged_unless(cfg.balance_coeff, switch_balance_loss, probs_TE,
-                                     experts_TK, counts_E)
-            if seq_len == num_tokens and not cfg.seq_balance_coeff:
-                seq_balance = balance   # one sequence, only logged: the same loss
-            else:
-                seq_balance = _logged_unless(cfg.seq_balance_coeff, sequence_balance_loss,
-                                             probs_TE.view(-1, seq_len, self.num_experts),
-                                             experts_TK.view(-1, seq_len, self.top_k))
-            z = _logged_unless(cfg.z_coeff, z_loss, logits_TE)
-        else:
-            balance, seq_balance, z = self._group_losses(probs_TE, experts_TK, logits_TE,
-                                                         seq_len, group)
-        terms = [c * loss for c, loss in ((cfg.balance_coeff, balance),
+        balance, seq_balance, z, parts = self._loss_values(probs_TE, experts_TK, logits_TE,
+                                                           counts_E, seq_len)
+        terms = [c * loss for c, loss in ((self.call_balance_coeff, balance),
                                           (cfg.seq_balance_coeff, seq_balance),
                                           (cfg.z_coeff, z)) if c]
         total = sum(terms[1:], terms[0]) if terms else balance.detach() * 0.0
-        losses = RouterLosses(total, balance.detach(), seq_balance.detach(), z.detach())
+        losses = RouterLosses(total, balance.detach(), seq_balance.detach(), z.detach(), parts)
         stats = RoutingStats(counts_E.to(torch.float32), (expert_N == self.num_experts).sum(),
                              expert_N.numel())
         return losses, stats
+
+    def _loss_values(self, probs_TE, experts_TK, logits_TE, counts_E, seq_len: int):
+        """(balance, sequence balance, z, deferred parts or None) of this call's tokens."""
+        cfg, num_tokens = self.cfg, probs_TE.shape[0]
+        # A loss whose coefficient is zero is only logged: no graph, no backward through it.
+        balance = _logged_unless(self.call_balance_coeff, switch_balance_loss, probs_TE,
+                                 experts_TK, counts_E)
+        if seq_len == num_tokens and not cfg.seq_balance_coeff:
+            seq_balance = balance   # one sequence, only logged: the same loss
+        else:
+            seq_balance = _logged_unless(cfg.seq_balance_coeff, sequence_balance_loss,
+                                         probs_TE.view(-1, seq_len, self.num_experts),
+                                         experts_TK.view(-1, seq_len, self.top_k))
+        z = _logged_unless(cfg.z_coeff, z_loss, logits_TE)
+        parts = BalanceParts(counts_E.to(torch.float64), probs_TE.sum(0), num_tokens) \
+            if self.deferred_balance else None
+        return balance, seq_balance, z, parts
 
     def _within_capacity(self, expert_N, weight_N, cap: int):
         """True for the assignments each expert keeps: its `cap` best by the drop policy."""
@@ -313,35 +311,6 @@ class TopKRouter(_RouterBase):
         rank_N = torch.empty_like(expert_N)
         rank_N[order_N] = torch.arange(num_assign, device=expert_N.device) - starts_E[expert_sorted]
         return rank_N < cap
-
-    def _group_within_capacity(self, expert_N, weight_N, cap: int, seq_len: int, group):
-        """Drops decided on the whole micro-batch: every slice's (expert, weight) pairs are gathered
-        into the canonical [B, S, K] order, ranked as one group, and this slice's verdicts kept."""
-        batch = expert_N.numel() // (seq_len * self.top_k)
-        pairs = torch.stack([expert_N.to(torch.float64), weight_N.to(torch.float64)], -1)
-        full = group.gather(pairs.view(batch, seq_len, -1)).reshape(-1, 2)
-        keep = self._within_capacity(full[:, 0].long(), full[:, 1].to(weight_N.dtype), cap)
-        return group.local(keep.view(batch, -1, self.top_k)).reshape(-1)
-
-    def _group_losses(self, probs_TE, experts_TK, logits_TE, seq_len: int, group):
-        """The three losses of the whole micro-batch from this slice: the sums they are built from
-        (expert counts, probability sums, per sequence too, and the z-loss sum) are totalled over
-        the group in one call; `group.total` sums forward and passes gradients straight back, so
-        each slice's tokens get exactly their share of the whole loss's gradient."""
-        num_tokens, num_experts = probs_TE.shape
-        batch, k = num_tokens // seq_len, self.top_k
-        counts_BE = expert_counts(experts_TK.reshape(batch, -1), num_experts,
-                                  per_row=True).to(probs_TE.dtype)
-        parts = [counts_BE.sum(0), probs_TE.sum(0), counts_BE.flatten(),
-                 probs_TE.view(batch, seq_len, num_experts).sum(1).flatten(),
-                 torch.logsumexp(logits_TE, dim=-1).square().sum().reshape(1).to(probs_TE.dtype)]
-        total = group.total(torch.cat(parts)).split([p.numel() for p in parts])
-        n, full_seq = num_tokens * group.size, seq_len * group.size
-        balance = num_experts * torch.sum(total[0] / (n * k) * (total[1] / n))
-        f_BE = total[2].view(batch, num_experts) / (full_seq * k)
-        p_BE = total[3].view(batch, num_experts) / full_seq
-        seq_balance = num_experts * torch.sum(f_BE * p_BE, dim=1).mean()
-        return balance, seq_balance, total[4][0] / n
 
     @torch.no_grad()
     def update_bias(self, tokens_per_expert_E: torch.Tensor):

@@ -51,9 +51,13 @@ class StepStats:
         self.losses_3 = torch.zeros(3, dtype=torch.float64, device=device)
         self.num_micro_batches = 0
 
-    def add(self, moe_outputs, router_cfg, layers: list[int] | None = None):
+    def add(self, moe_outputs, router_cfg, layers: list[int] | None = None, balance=None):
         """One micro-batch's MoE outputs; `layers` are their positions among all MoE layers (a
-        pipeline stage holds only some), default 0, 1, ..."""
+        pipeline stage holds only some), default 0, 1, ... `balance`: this rank's part of the
+        micro-batch's trained balance loss, coefficient-weighted, when it is deferred
+        (router.balance_loss='all_layers' or balance_scope='global', layers/balance.py): it
+        stands in the aux loss for the layers' own balance terms, which are then only the
+        per-layer diagnostic `balance`."""
         self.num_micro_batches += 1
         layers = range(len(moe_outputs)) if layers is None else layers
         for layer, out in zip(layers, moe_outputs, strict=True):
@@ -61,9 +65,13 @@ class StepStats:
             self.dropped_L[layer] += out.stats.num_dropped.to(self.dropped_L)
             self.assignments_L[layer] += out.stats.num_assignments
             loss = out.aux_loss
-            self.losses_3 += torch.stack([
-                router_cfg.balance_coeff * loss.balance + router_cfg.seq_balance_coeff * loss.seq_balance,
-                router_cfg.z_coeff * loss.z, loss.balance]).to(self.losses_3)
+            trained = router_cfg.seq_balance_coeff * loss.seq_balance
+            if balance is None:
+                trained = trained + router_cfg.balance_coeff * loss.balance
+            self.losses_3 += torch.stack([trained, router_cfg.z_coeff * loss.z,
+                                          loss.balance]).to(self.losses_3)
+        if balance is not None:
+            self.losses_3[0] += balance.to(self.losses_3)
 
     def reduce(self, group, extra: list[torch.Tensor] = (), stage_group=None, slice_group=None):
         """Sums the step's statistics (and `extra` scalars, in place) over `group` (the dp ranks),

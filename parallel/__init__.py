@@ -77,9 +77,11 @@ def parallelize(model, layout: Layout, options: Options) -> ParallelModel:
         # Under bfloat16 training hidden states cross stages in bfloat16 (half the bytes).
         wire = torch.bfloat16 if options.compute_dtype == torch.bfloat16 else None
         runner = PipelineRunner(model, layout.group("pp"), p.pp_schedule, options.num_micro,
-                                loss_fn=handle.loss_fn, autocast=handle.autocast, wire_dtype=wire)
+                                loss_fn=handle.loss_fn, autocast=handle.autocast, wire_dtype=wire,
+                                balance_group=layout.group("dp"))
     else:
-        runner = LocalRunner(model, options.num_micro, handle.loss_fn, handle.autocast)
+        runner = LocalRunner(model, options.num_micro, handle.loss_fn, handle.autocast,
+                             balance_group=layout.group("dp"))
     handle.attach(sync, optimizer, runner)
     return handle
 

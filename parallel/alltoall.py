@@ -39,7 +39,7 @@ from moepar.layers.experts import expert_ffn
 from moepar.layers.router import Routing
 
 from .comm import all_to_all, all_to_all_start, all_to_all_wait, group_size, to_wire
-from .splitcheck import check_splits
+from .splitcheck import split_check
 
 __all__ = ["AllToAllDispatcher", "AllToAllPlan", "AllToAllChunk", "source_to_expert_major"]
 
@@ -109,6 +109,8 @@ class AllToAllDispatcher:
     def __init__(self, num_experts: int, group, layer_id: int = 0, debug: bool = False,
                  chunks: int = 1):
         self.num_experts, self.group, self.layer_id, self.debug = num_experts, group, layer_id, debug
+        # The split check is bound here (parallel.debug_splits), never asked for in forward.
+        self._check = split_check(debug, group, layer_id)
         self.ep = group_size(group)
         if num_experts % self.ep:
             raise ValueError(f"num_experts={num_experts} must be divisible by ep={self.ep}")
@@ -168,11 +170,6 @@ class AllToAllDispatcher:
                                        inverse_permutation(to_expert), rows,
                                        group_offsets(recv_PE[:, lo:hi].sum(0))))
         return to_wire(x_SD), AllToAllPlan(local, tuple(plans))
-
-    def _check(self, send_splits, recv_splits, what: str, device):
-        if self.debug:
-            check_splits(send_splits, recv_splits, self.group, f"MoE layer {self.layer_id} {what}",
-                         device)
 
     # -- the synchronous path: one chunk, blocking all-to-alls ---------------------------------
 

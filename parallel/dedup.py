@@ -28,7 +28,7 @@ from moepar.layers.dispatch import (counts_to_host, gather_rows, group_offsets, 
 from moepar.layers.router import Routing, expert_counts
 
 from .comm import all_to_all, all_to_all_start, all_to_all_wait, group_size, to_wire
-from .splitcheck import check_splits
+from .splitcheck import split_check
 
 __all__ = ["DedupAllToAllDispatcher", "DedupPlan"]
 
@@ -63,6 +63,8 @@ class DedupAllToAllDispatcher:
 
     def __init__(self, num_experts: int, group, layer_id: int = 0, debug: bool = False):
         self.num_experts, self.group, self.layer_id, self.debug = num_experts, group, layer_id, debug
+        # The split check is bound here (parallel.debug_splits), never asked for in forward.
+        self._check = split_check(debug, group, layer_id)
         self.ep = group_size(group)
         self.num_local = num_experts // self.ep
         self.timer = None
@@ -99,9 +101,7 @@ class DedupAllToAllDispatcher:
         recv_h = [host[(P + p) * (1 + El):(P + p + 1) * (1 + El)] for p in range(P)]
         send_rows, recv_rows = [r[0] for r in send_h], [r[0] for r in recv_h]
         send_assign, recv_assign = [sum(r[1:]) for r in send_h], [sum(r[1:]) for r in recv_h]
-        if self.debug:
-            check_splits(send_rows, recv_rows, self.group,
-                         f"MoE layer {self.layer_id} dispatch (dedup rows)", x_TD.device)
+        self._check(send_rows, recv_rows, "dispatch (dedup rows)", x_TD.device)
         num_pairs, num_assign = sum(send_rows), sum(send_assign)
 
         # Source side: one row per (rank, token) pair; per assignment its row and local expert.
@@ -145,9 +145,7 @@ class DedupAllToAllDispatcher:
         dtype = torch.promote_types(y_RD.dtype, plan.weight_A.dtype)
         weighted = y_RD.to(dtype) * plan.weight_A.to(dtype).unsqueeze(1)
         y_rows = sum_rows(weighted, plan.row_A, plan.assigns_of_row_QM)
-        if self.debug:
-            check_splits(plan.recv_rows, plan.send_rows, self.group,
-                         f"MoE layer {self.layer_id} combine (dedup rows)", y_RD.device)
+        self._check(plan.recv_rows, plan.send_rows, "combine (dedup rows)", y_RD.device)
         # Partial sums travel in the experts' dtype (bf16 under autocast), summed in fp32 after.
         y_pairs = all_to_all(y_rows.to(y_RD.dtype), plan.send_rows, plan.recv_rows, self.group,
                              self.timer)

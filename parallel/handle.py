@@ -23,11 +23,13 @@ from typing import NamedTuple
 
 import torch
 
+from moepar.layers.balance import MicroBalance
 from moepar.layers.experts import GroupedExperts
 from moepar.layers.init import expert_split
 from moepar.layers.router import TopKRouter
 
 from .data import clip_grad_norm, grad_norm_groups
+from .pipeline_runner import step_balance
 from .schedules import Action, _statistics_only, default_loss
 from .shards import fsdp_segments, tp_segments, whole_segments, flat_segments
 from .tensor import reduce_sequence_parallel_grads, tp_norm_parameters, tp_shard_spec
@@ -50,12 +52,19 @@ def local_tensor(t: torch.Tensor) -> torch.Tensor:
 
 class LocalRunner:
     """pp = 1: the step's micro-batches one after another (forward, loss, backward), with the
-    hooks of `PipelineRunner.run` so the handle drives both the same way."""
+    hooks of `PipelineRunner.run` so the handle drives both the same way.
 
-    def __init__(self, model, num_micro: int, loss_fn, autocast):
+    A deferred balance loss (layers/balance.py) is finished after each micro-batch's forward,
+    its counts summed over `balance_group` (the dp ranks; global scope) by one all-reduce of
+    (L+1)*E numbers or fewer. After `run`: `balance_values`, per micro-batch its weighted value
+    (None when the balance loss is each router call's own)."""
+
+    def __init__(self, model, num_micro: int, loss_fn, autocast, balance_group=None):
         self.model, self.num_micro, self.loss_fn, self.autocast = model, num_micro, loss_fn, autocast
         self.order = [Action(kind, 0, n) for n in range(num_micro) for kind in "FB"]
         self.loss_scale = 1.0
+        self.balance_group = balance_group
+        self.balance_values = []
         model.set_aux_loss_scale(1.0 / num_micro)
 
     def run(self, inputs: list, targets: list, before_action=None, after_action=None,
@@ -64,16 +73,20 @@ class LocalRunner:
         the MoE outputs' statistics). `forward_only`: no autograd, no backward (evaluation)."""
         device = next(self.model.parameters()).device
         loss_sum = torch.zeros((), dtype=torch.float64, device=device)
-        outputs = []
+        outputs, self.balance_values = [], []
+        step = None if forward_only else step_balance(self.model, self.balance_group, device)
         for n in range(self.num_micro if limit is None else limit):
             inputs_BS = inputs[n].to(device, non_blocking=True)
             targets_BS = targets[n].to(device, non_blocking=True)
+            holder = None if step is None else MicroBalance()
             with self.autocast(), torch.no_grad() if forward_only else contextlib.nullcontext():
-                logits, moe_outputs = self.model(inputs_BS)
+                logits, moe_outputs = (self.model(inputs_BS) if holder is None
+                                       else self.model(inputs_BS, holder))
                 loss = self.loss_fn(logits, targets_BS)
             if forward_only:
                 loss_sum += loss
                 continue
+            self.balance_values.append(None if step is None else step.finish(holder))
             # Only statistics outlive the forward: the logits ([B, S, V], the largest activation)
             # and the MoE outputs are not needed by backward and go before it runs.
             outputs.append([_statistics_only(o) for o in moe_outputs])
@@ -148,8 +161,8 @@ class ParallelModel:
         loss_sum, moe_outputs = self.runner.run(
             inputs, targets, before_action=lambda a: self._around(a, False),
             after_action=lambda a: self._around(a, True))
-        for outs in moe_outputs:
-            stats.add(outs, self.moe_router_cfg, self.moe_indices)
+        for outs, balance in zip(moe_outputs, self.runner.balance_values, strict=True):
+            stats.add(outs, self.moe_router_cfg, self.moe_indices, balance)
         return loss_sum
 
     def set_loss_scale(self, scale: float):
@@ -169,7 +182,7 @@ class ParallelModel:
                                 before_action=lambda a: self._around(action, False),
                                 after_action=lambda a: self._around(action, True),
                                 limit=1)
-        stats.add(outs[0], self.moe_router_cfg, self.moe_indices)
+        stats.add(outs[0], self.moe_router_cfg, self.moe_indices, runner.balance_values[0])
         return loss
 
     def evaluate(self, inputs: list, targets: list) -> torch.Tensor:

@@ -101,6 +101,7 @@ class StageModule(nn.Module):
                              "embedding (first stage) and head (last stage) would share a weight "
                              "across ranks; set model.tie_embeddings=false or parallel.pp=1")
         self.cfg, self.pp, self.pp_rank, self.virtual = cfg, pp, pp_rank, virtual
+        self.router_cfg = model.router_cfg
         self.num_chunks = pp * virtual
         self.chunk_ids = rank_chunks(pp_rank, pp, virtual)
         starts = [sum(counts[:c]) for c in range(self.num_chunks + 1)]
@@ -142,7 +143,9 @@ class StageModule(nn.Module):
         stays in it under autocast)."""
         return next(self.parameters()).dtype
 
-    def forward(self, x, chunk: int = 0):
+    def forward(self, x, chunk: int = 0, balance=None):
+        """`balance`: the micro-batch's holder of a deferred balance loss (layers/balance.py);
+        the pipeline runner passes it and finishes it across the stages."""
         global_chunk = self.chunk_ids[chunk]
         if global_chunk == 0:
             seq = x.shape[1]
@@ -154,7 +157,7 @@ class StageModule(nn.Module):
         cos, sin = self.rope_cos[:seq], self.rope_sin[:seq]
         moe_outputs = []
         for block in self.layers[self.chunk_slices[chunk]]:
-            x, moe_out = block(x, cos, sin)
+            x, moe_out = block(x, cos, sin, balance)
             if moe_out is not None:
                 moe_outputs.append(moe_out)
         if global_chunk == self.num_chunks - 1:

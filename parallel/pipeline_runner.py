@@ -10,6 +10,10 @@ Talks on the `pp` group:
 |                           | wire dtype), so a disagreement raises on every rank, not a hang |
 | each time step with work  | one batch_isend_irecv: hidden states to the next chunk's rank,  |
 |                           | their gradients back; receives waited just before their use     |
+|                           | (router.balance_loss='all_layers': in the same batch, 2E+1      |
+|                           | float64 sums with the hidden states, E coefficients back)       |
+| per chunk forward, global | router.balance_scope='global': one all-reduce of the counts     |
+| balance scope             | over `balance_group` (the stage's dp ranks), see below          |
 
 The time steps are the lock-step grid of `schedules.timetable`: every rank knows what its
 neighbours send at step t and posts the matching receives in the same batch, so no ordering can
@@ -17,6 +21,13 @@ deadlock. Sends and receives are asynchronous: a receive is waited right before 
 consumes it, a send at the end of the step (its tensor is kept alive until then), so a rank
 computes while its neighbours' traffic is in flight. Under bfloat16 training hidden states and
 their gradients travel in bfloat16 (half the bytes) and are widened on arrival.
+A balance loss over all MoE layers (layers/balance.py) needs every stage's counts of the
+micro-batch before any stage's backward: each forward adds its chunk's sums (counts and
+probability sums per expert, tokens) to the ones it received and sends them on with the hidden
+states; the last chunk's rank finishes the loss (summing the counts over the dp ranks, global
+scope) and the coefficient travels back with the gradients, so every stage's MoE layers read it
+in their backward. per_layer at the global scope needs no traffic: each chunk finishes its own
+layers after its forward.
 Action timings use CUDA events on GPUs (host timestamps would measure kernel launches) and host
 timestamps on the CPU; they are read after the step.
 """
@@ -27,9 +38,22 @@ import time
 import torch
 import torch.distributed as dist
 
+from moepar.layers.balance import BalanceStep, MicroBalance
+
+from .data import all_reduce_sum
 from .schedules import FORWARD_ONLY, Action, Event, _statistics_only, default_loss, timetable
 
-__all__ = ["PipelineRunner"]
+__all__ = ["PipelineRunner", "step_balance"]
+
+
+def step_balance(model, group, device):
+    """A BalanceStep for one step of `model` (a Transformer or a stage) when its balance loss is
+    deferred, else None; the global scope's counts are summed over `group` (the dp ranks)."""
+    cfg = model.router_cfg
+    if not cfg.deferred_balance:
+        return None
+    reduce = None if group is None else (lambda t: all_reduce_sum([t], group))
+    return BalanceStep(cfg, model.cfg.num_experts, model.cfg.top_k, reduce, device)
 
 _WIRE_CODES = {torch.float32: 0, torch.float64: 1, torch.bfloat16: 2, torch.float16: 3}
 
@@ -66,13 +90,21 @@ class PipelineRunner:
     Each micro-batch's loss is weighted 1/num_micro before backward, and MoE aux losses are
     injected with the same weight (set here on the stage), as the trainer does without pipelining.
     Built once per layout: `grid` (every rank's timetable) and `order` (this rank's actions).
-    After `run`: `events` (this rank's compute intervals), `step_start`, `step_end`, and
-    `peak_in_flight` (the most chunk-micro-batches whose activations were alive at once).
+    After `run`: `events` (this rank's compute intervals), `step_start`, `step_end`,
+    `peak_in_flight` (the most chunk-micro-batches whose activations were alive at once), and
+    `balance_values` (per micro-batch this rank's part of a deferred balance loss, else None).
+    `balance_group`: the dp ranks of this stage (global balance scope).
     """
 
     def __init__(self, stage, pp_group, schedule: str, num_micro: int, loss_fn=default_loss,
-                 autocast=contextlib.nullcontext, wire_dtype: torch.dtype | None = None):
+                 autocast=contextlib.nullcontext, wire_dtype: torch.dtype | None = None,
+                 balance_group=None):
         self.stage, self.group, self.num_micro, self.loss_fn = stage, pp_group, num_micro, loss_fn
+        self.balance_group, self.balance_values = balance_group, []
+        cfg, E = stage.router_cfg, stage.cfg.num_experts
+        # all_layers: sizes of the sums sent with hidden states and of the coefficient sent back.
+        self.balance_sizes = {"acts": 2 * E + 1, "grads": E} if (
+            cfg.deferred_balance and cfg.balance_loss == "all_layers") else None
         # Entered around each forward and its loss only: backward must not run under autocast
         # (it would recompute fp32 regions such as the router's backward in the autocast dtype).
         self.autocast = autocast
@@ -153,8 +185,14 @@ class PipelineRunner:
         # This step's buffers, keyed (chunk, micro): received inputs and output gradients, what
         # backward needs, MoE outputs; dropped when the step ends.
         loss_sum = torch.zeros((), dtype=torch.float64, device=self.device)
+        # Deferred balance loss: its maths for the step, holders per micro-batch, received sums
+        # keyed (chunk, micro), coefficients and values per micro-batch.
+        step_bal = None if forward_only else step_balance(self.stage, self.balance_group,
+                                                          self.device)
+        sizes = self.balance_sizes if step_bal is not None else None
         self._state = dict(inputs=inputs, targets=targets, acts={}, grads={}, saved={}, moe={},
-                           loss_sum=loss_sum, forward_only=forward_only, pending={})
+                           loss_sum=loss_sum, forward_only=forward_only, pending={},
+                           balance=step_bal, holders={}, sums={}, coef={}, values={})
         self._stamps, alive, self.peak_in_flight = [], 0, 0
         keep, works = [], []   # tensors being sent (alive until their send completes), sends
         self.step_start = time.perf_counter()
@@ -173,26 +211,37 @@ class PipelineRunner:
                     alive += 1 if action.kind == "F" else -1
                     self.peak_in_flight = max(self.peak_in_flight, alive)
                     if sent is not None:
-                        peer, tensor = sent
+                        peer, tensor, extra = sent
                         if tuple(tensor.shape) != shape_BSD:
                             raise RuntimeError(f"{action}: sending {tuple(tensor.shape)}; "
                                                f"receivers expect {shape_BSD}")
                         tensor = tensor.to(self.wire_dtype).contiguous()
                         keep.append(tensor)
                         ops.append(dist.P2POp(dist.isend, tensor, self.peers[peer], self.group))
+                        if extra is not None:   # balance sums or coefficient (tag 1)
+                            keep.append(extra)
+                            ops.append(dist.P2POp(dist.isend, extra, self.peers[peer], self.group,
+                                                  tag=1))
                 for rank in range(self.pp):
                     other = grid[rank][step]
                     target = None if rank == self.me or other is None else self._receives(other)
                     if target is not None:
                         buf = torch.empty(shape_BSD, dtype=self.wire_dtype, device=self.device)
-                        recvs.append((target, buf, len(ops)))
+                        bufs = [(buf, len(ops))]
                         ops.append(dist.P2POp(dist.irecv, buf, self.peers[rank], self.group))
+                        if sizes is not None:
+                            extra = torch.empty(sizes[target[0]], dtype=torch.float64,
+                                                device=self.device)
+                            bufs.append((extra, len(ops)))
+                            ops.append(dist.P2POp(dist.irecv, extra, self.peers[rank], self.group,
+                                                  tag=1))
+                        recvs.append((target, bufs))
                 if ops:
                     posted = dist.batch_isend_irecv(ops)
-                    received = {index for _, _, index in recvs}
+                    received = {index for _, bufs in recvs for _, index in bufs}
                     works += [w for i, w in enumerate(posted) if i not in received]
-                    for target, buf, index in recvs:
-                        self._state["pending"][target] = (posted[index], buf)
+                    for target, bufs in recvs:
+                        self._state["pending"][target] = [(posted[i], buf) for buf, i in bufs]
                 if action is not None and after_action is not None:
                     after_action(action)
         # Every send completes before its tensor may go (each work is waited exactly once: a
@@ -205,6 +254,9 @@ class PipelineRunner:
         state, self._state = self._state, None
         moe_outputs = [[out for j in sorted(state["moe"][n]) for out in state["moe"][n][j]]
                        for n in range(m)]
+        zero = torch.zeros((), dtype=torch.float64, device=self.device)
+        self.balance_values = [None if step_bal is None else state["values"].get(n, zero)
+                               for n in range(m)]
         return state["loss_sum"], moe_outputs
 
     def _wait_inputs(self, action: Action):
@@ -214,9 +266,15 @@ class PipelineRunner:
         kind = "acts" if action.kind == "F" else "grads"
         pending = self._state["pending"].pop((kind, (c, n)), None)
         if pending is not None:
-            work, buf = pending
+            (work, buf), *extra = pending
             work.wait()
             self._state[kind][(c, n)] = buf.to(self.act_dtype)
+            for work, buf in extra:
+                work.wait()
+                if kind == "acts":
+                    self._state["sums"][(c, n)] = buf
+                else:
+                    self._set_coef(n, buf)
 
     def _owner(self, chunk: int) -> int:
         return chunk % self.pp
@@ -240,12 +298,14 @@ class PipelineRunner:
             x = state["acts"].pop((c, n))
             if training:
                 x.requires_grad_()
+        holder = None if state["balance"] is None else MicroBalance()
         with self.autocast():
-            out, moe_outputs = self.stage(x, chunk=c // self.pp)
+            out, moe_outputs = self.stage(x, chunk=c // self.pp, balance=holder)
             if c == self.num_chunks - 1:
                 loss = self.loss_fn(out, state["targets"][n].to(out.device, non_blocking=True))
         # Keep only what statistics need: `y` and the injected loss hold activations and graph.
         state["moe"].setdefault(n, {})[c // self.pp] = [_statistics_only(o) for o in moe_outputs]
+        sums = None if holder is None else self._finish_balance(action, holder)
         if c == self.num_chunks - 1:
             state["loss_sum"] += loss.detach().to(torch.float64)
             if training:
@@ -255,8 +315,34 @@ class PipelineRunner:
             state["saved"][(c, n)] = (x, out)
         if self._owner(c + 1) == self.me:      # the next chunk is ours too (pp=1, virtual>1)
             state["acts"][(c + 1, n)] = out.detach()
+            if sums is not None:
+                state["sums"][(c + 1, n)] = sums
             return None
-        return self._owner(c + 1), out.detach()
+        return self._owner(c + 1), out.detach(), sums
+
+    def _finish_balance(self, action: Action, holder: MicroBalance):
+        """After a chunk's forward: per_layer (global scope) finishes the chunk's layers; for
+        all_layers, returns the sums so far to send on, or, on the last chunk, finishes the
+        micro-batch's loss and gives every holder of it on this rank the coefficient."""
+        state, (c, n) = self._state, action[1:]
+        step, values = state["balance"], state["values"]
+        state["holders"].setdefault(n, []).append(holder)
+        if self.balance_sizes is None:
+            value = step.finish_layers(holder)
+        else:
+            sums = step.partial(holder, state["sums"].pop((c, n), None))
+            if c < self.num_chunks - 1:
+                return sums
+            value = step.finish_all(state["holders"][n], sums)
+            state["coef"][n] = holder.coef_E
+        values[n] = value if n not in values else values[n] + value
+        return None
+
+    def _set_coef(self, n: int, coef_E):
+        """A coefficient that came back with gradients: every holder of micro-batch n here."""
+        self._state["coef"][n] = coef_E
+        for holder in self._state["holders"].get(n, []):
+            holder.set_coef(coef_E)
 
     def _backward(self, action: Action):
         state, (c, n) = self._state, action[1:]
@@ -272,4 +358,5 @@ class PipelineRunner:
         if self._owner(c - 1) == self.me:
             state["grads"][(c - 1, n)] = grad
             return None
-        return self._owner(c - 1), grad
+        coef = None if self.balance_sizes is None else state["coef"][n]
+        return self._owner(c - 1), grad, coef

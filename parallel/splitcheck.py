@@ -11,7 +11,7 @@ same error on every rank, naming the layer and the first disagreeing pair of ran
 import torch
 import torch.distributed as dist
 
-__all__ = ["check_splits", "SplitMismatchError"]
+__all__ = ["check_splits", "split_check", "SplitMismatchError"]
 
 
 class SplitMismatchError(RuntimeError):
@@ -31,3 +31,18 @@ def check_splits(send_splits: list[int], recv_splits: list[int], group, where: s
                 raise SplitMismatchError(
                     f"{where}: EP rank {src} sends {sent} rows to EP rank {dst}, which expects "
                     f"{got} (all-to-all split sizes disagree; the collective would hang)")
+
+
+def _no_check(send_splits, recv_splits, what: str, device=None):
+    pass
+
+
+def split_check(debug: bool, group, layer_id: int):
+    """The check a dispatcher binds at construction: `check(send, recv, what, device)` naming
+    MoE layer `layer_id`, or a no-op when `debug` (parallel.debug_splits) is off."""
+    if not debug:
+        return _no_check
+
+    def check(send_splits, recv_splits, what: str, device=None):
+        check_splits(send_splits, recv_splits, group, f"MoE layer {layer_id} {what}", device)
+    return check

@@ -15,8 +15,8 @@ the way in and reduce-scatter it on the way out:
 | "full" q/k norm           | all-reduce sum of squares      | all-reduce                     |
 | LM head in                | all-gather along S             | reduce-scatter along S         |
 | loss (vocab.py)           | 2 all-reduces                  | none                           |
-| MoE router (layers/)      | 1 all-reduce of loss sums; with| none                           |
-|                           | capacity, 1 all-gather of picks|                                |
+| MoE router (sequence_     | 1 all-reduce of loss sums; with| none                           |
+|   router.py)              | capacity, 1 all-gather of picks|                                |
 | after backward            | reduce_sequence_parallel_grads: 1 all-reduce (partial grads)    |
 
 | parameter                                     | on each tp rank                     | TPShard        |
@@ -52,10 +52,10 @@ from torch import nn
 from moepar.layers.experts import FeedForward, GroupedExperts
 from moepar.layers.mla import MLA
 from moepar.layers.model import Attention, Transformer
-from moepar.layers.router import TopKRouter
 
 from .comm import all_gather_rows, group_size, reduce_scatter_rows, to_wire
 from .data import all_reduce_sum
+from .sequence_router import use_token_group
 from .vocab import VocabParallelEmbedding, padded_vocab_size
 
 __all__ = ["TPShard", "copy_to_tp", "reduce_from_tp", "gather_sequence", "scatter_sequence",
@@ -254,12 +254,12 @@ class TensorParallelTransformer(Transformer):
     capacity group and the balance and z losses those of the whole micro-batch (as at tp=1).
     """
 
-    def forward(self, tokens_BS):
+    def forward(self, tokens_BS, balance=None):
         if tokens_BS.shape[1] % self.tp_size:
             raise ValueError(f"sequence length {tokens_BS.shape[1]} must be divisible by "
                              f"parallel.tp={self.tp_size} (sequence parallelism splits it "
                              "between blocks)")
-        return super().forward(tokens_BS)      # the blocks run on sequence slices x_BsD
+        return super().forward(tokens_BS, balance)   # the blocks run on sequence slices x_BsD
 
     def output(self, x_BsD):
         """Final norm on this rank's slice, then the whole sequence through its vocabulary
@@ -357,16 +357,13 @@ def apply_tp(model: Transformer, dims, meshes, seq_len: int | None = None) -> Tr
             _shard_feed_forward(block.ffn, tp, rank, group)
     _swap_class(model, TensorParallelTransformer, group, tp_size=tp)
     token_group = SequenceTokenGroup(group)
-    for moe in model.moe_layers():
-        if not isinstance(moe.router, TopKRouter):
-            raise ValueError("router.type='expert_choice' with parallel.tp > 1 is not supported "
-                             "(each expert would need every slice's scores); use router.type='topk'")
-        moe.router.token_group = token_group
+    for moe in model.moe_layers():     # routers of slices: chosen here, once (sequence_router.py)
+        use_token_group(moe.router, token_group)
     return model
 
 
 class SequenceTokenGroup:
-    """The router's view of the tp group (layers/router.py `TopKRouter.token_group`): each rank
+    """The router's view of the tp group (sequence_router.py `SequenceParallelRouter`): each rank
     holds positions [r*s, (r+1)*s) of every sequence of the micro-batch.
 
     gather: [B, s, ...] -> [B, S, ...] (no gradient: capacity decisions); local: the inverse

@@ -6,6 +6,15 @@ first k, multi-head latent attention, sigmoid group-limited routing with a selec
 rope scaling). `read_hf_config` reads config.json under all the names these architectures use and
 refuses what moepar cannot run; `hf_config_dict` writes config.json for a moepar model and refuses
 what the architecture cannot say, naming what this model has and what the architecture needs.
+
+The balance loss travels with the model: transformers' Mixtral, Qwen2-MoE, Qwen3-MoE and OLMoE
+train `router_aux_loss_coef` * load_balancing_loss_func (one loss over all MoE layers, f counted
+over top-k slots), which is moepar's router.balance_loss='all_layers' (layers/balance.py);
+import sets it with that coefficient, export writes it back (`router_loss_fields`). A per_layer
+model's loss has an HF coefficient only with one MoE layer (HF's loss is then K times moepar's);
+otherwise export keeps the coefficient and says what differs (`export_notes`). transformers'
+DeepSeek-V3 trains no balance loss at all (no aux loss in DeepseekV3ForCausalLM; its
+e_score_correction_bias is a buffer nothing updates): import sets every balance coefficient to 0.
 """
 
 import json
@@ -16,7 +25,8 @@ from moepar.layers.model import ModelConfig
 from moepar.layers.router import RouterConfig
 
 __all__ = ["ARCHS", "Arch", "ConversionError", "read_hf_config", "load_hf_json", "hf_config_dict",
-           "arch_by_name", "arch_problems", "matching_archs", "mtp_layers"]
+           "arch_by_name", "arch_problems", "matching_archs", "mtp_layers", "router_loss_fields",
+           "export_notes"]
 
 
 class ConversionError(ValueError):
@@ -34,6 +44,9 @@ class Arch:
     shared_gate: bool = False  # Qwen2-MoE's sigmoid gate on it
     norm_topk_default: bool = False
     mla: bool = False      # DeepSeek multi-head latent attention
+    # transformers' router_aux_loss_coef default (config classes of 5.24); None: the model
+    # class computes no balance loss (DeepSeek-V3)
+    aux_coef_default: float | None = 0.001
 
 
 ARCHS = {a.name: a for a in (
@@ -41,9 +54,10 @@ ARCHS = {a.name: a for a in (
     Arch("qwen2_moe", "Qwen2MoeForCausalLM", "mlp", ("gate_proj", "up_proj", "down_proj"),
          shared="shared_expert", shared_gate=True),
     Arch("qwen3_moe", "Qwen3MoeForCausalLM", "mlp", ("gate_proj", "up_proj", "down_proj"), qk_norm="head"),
-    Arch("olmoe", "OlmoeForCausalLM", "mlp", ("gate_proj", "up_proj", "down_proj"), qk_norm="full"),
+    Arch("olmoe", "OlmoeForCausalLM", "mlp", ("gate_proj", "up_proj", "down_proj"), qk_norm="full",
+         aux_coef_default=0.01),
     Arch("deepseek_v3", "DeepseekV3ForCausalLM", "mlp", ("gate_proj", "up_proj", "down_proj"),
-         shared="shared_experts", mla=True, norm_topk_default=True),
+         shared="shared_experts", mla=True, norm_topk_default=True, aux_coef_default=None),
 )}
 
 
@@ -194,9 +208,13 @@ def _model_and_router(arch: Arch, cfg: dict) -> tuple[ModelConfig, RouterConfig]
         routing = dict(score_func="sigmoid", n_group=cfg.get("n_group") or 1,
                        topk_group=cfg.get("topk_group") or 1,
                        routed_scaling_factor=float(cfg.get("routed_scaling_factor", 1.0)))
+    if arch.aux_coef_default is None:   # transformers trains no balance loss for it
+        balance = dict(balance_coeff=0.0)
+    else:
+        balance = dict(balance_loss="all_layers", balance_coeff=float(
+            _first(cfg, "router_aux_loss_coef", default=arch.aux_coef_default)))
     router = RouterConfig(norm_topk_prob=bool(cfg.get("norm_topk_prob", arch.norm_topk_default)),
-                          balance_coeff=float(cfg.get("router_aux_loss_coef", 0.0 if arch.mla else 0.01)),
-                          **routing)
+                          **balance, **routing)
     return model, router
 
 
@@ -319,14 +337,63 @@ def matching_archs(cfg: ModelConfig, router: RouterConfig) -> list[str]:
     return [name for name, arch in ARCHS.items() if not arch_problems(arch, cfg, router)]
 
 
-def export_notes(arch: Arch, router: RouterConfig) -> list[str]:
+def router_loss_fields(arch: Arch, cfg: ModelConfig, router: RouterConfig) -> dict:
+    """config.json's balance-loss field for this model: router_aux_loss_coef, the same loss where
+    one exists (all_layers: the coefficient itself; per_layer with one MoE layer: coefficient / K,
+    as HF's loss is then K times moepar's), else the coefficient as it is (see export_notes)."""
+    if arch.aux_coef_default is None:
+        return {}
+    coeff = router.balance_coeff
+    if router.balance_loss == "per_layer" and _num_moe_layers(cfg) == 1:
+        coeff = coeff / cfg.top_k
+    return {"router_aux_loss_coef": coeff}
+
+
+def _num_moe_layers(cfg: ModelConfig) -> int:
+    return sum(cfg.is_moe_layer(i) for i in range(cfg.num_layers))
+
+
+def _balance_notes(arch: Arch, cfg: ModelConfig | None, router: RouterConfig) -> list[str]:
+    """How transformers' balance loss differs from this model's (said, not refused)."""
+    name, notes = arch.name, []
+    if arch.aux_coef_default is None:
+        trained = [f"router.{k}={getattr(router, k)}" for k in ("balance_coeff", "seq_balance_coeff")
+                   if getattr(router, k)]
+        if trained:
+            notes.append(f"this model trains {' and '.join(trained)}; transformers' {name} "
+                         "computes no balance loss (none is written to config.json)")
+        return notes
+    if router.balance_coeff and router.balance_scope == "global":
+        notes.append(f"this model has router.balance_scope='global' (counts over the step's "
+                     f"micro-batches and dp ranks); transformers' {name} counts each forward "
+                     "call's batch")
+    if not router.balance_coeff or router.balance_loss == "all_layers" or cfg is None:
+        return notes
+    num_moe, k = _num_moe_layers(cfg), cfg.top_k
+    if num_moe == 1:
+        notes.append(f"this model has router.balance_loss='per_layer' with one MoE layer: "
+                     f"transformers' {name} loss is K={k} times it, so config.json has "
+                     f"router_aux_loss_coef = router.balance_coeff / {k} = "
+                     f"{router.balance_coeff / k:g} (the same loss)")
+    else:
+        notes.append(f"this model has router.balance_loss='per_layer' (a Switch loss per MoE "
+                     f"layer, summed over {num_moe}); transformers' {name} takes one loss over "
+                     "all layers' counts, which no coefficient matches: config.json keeps "
+                     f"router_aux_loss_coef={router.balance_coeff:g}, about K/L={k}/{num_moe} of "
+                     f"this model's balance pressure (about {router.balance_coeff * num_moe / k:g} "
+                     "would match it under even load; router.balance_loss='all_layers' is "
+                     "transformers' loss exactly)")
+    return notes
+
+
+def export_notes(arch: Arch, router: RouterConfig, cfg: ModelConfig | None = None) -> list[str]:
     """What exports but behaves differently in transformers (said, not refused)."""
     notes = []
     if router.capacity_factor is not None:
         notes.append(f"this model has router.capacity_factor={router.capacity_factor}: moepar drops "
                      f"token copies over an expert's capacity; transformers' {arch.name} is "
                      "dropless, so its outputs differ wherever moepar would drop")
-    return notes
+    return notes + _balance_notes(arch, cfg, router)
 
 
 def hf_config_dict(arch: Arch, cfg: ModelConfig, router: RouterConfig) -> dict:
@@ -345,7 +412,7 @@ def hf_config_dict(arch: Arch, cfg: ModelConfig, router: RouterConfig) -> dict:
            "max_position_embeddings": cfg.max_seq_len, "rms_norm_eps": cfg.norm_eps,
            "rope_theta": cfg.rope_theta, "rope_parameters": rope,
            "tie_word_embeddings": cfg.tie_embeddings, "num_experts_per_tok": cfg.top_k,
-           "norm_topk_prob": router.norm_topk_prob, "router_aux_loss_coef": router.balance_coeff,
+           "norm_topk_prob": router.norm_topk_prob, **router_loss_fields(arch, cfg, router),
            "initializer_range": cfg.init_std, "torch_dtype": "float32"}
     if cfg.yarn is not None:   # older readers (transformers 4, DeepSeek's own code) read this key
         out["rope_scaling"] = dict(rope, type="yarn")

@@ -29,7 +29,8 @@ from safetensors.torch import save_file
 
 from moepar.config import sections_toml
 from moepar.hf.arch import (ARCHS, ConversionError, arch_by_name, export_notes, hf_config_dict,
-                            load_hf_json, matching_archs, mtp_layers, read_hf_config)
+                            load_hf_json, matching_archs, mtp_layers, read_hf_config,
+                            router_loss_fields)
 from moepar.hf.fp8 import dequantized, quantization_block
 from moepar.hf.names import (canonical_to_hf, expected_canonical, hf_to_canonical, layer_index,
                              rope_interleaved)
@@ -347,7 +348,9 @@ def moepar_to_hf(src: str, dst: str, arch_name: str | None = None,
                         or (fits[0] if fits else "qwen3_moe"))   # none fits: qwen3_moe's refusal
     if source_cfg is None or source_cfg.get("model_type") != arch.name:
         source_cfg = hf_config_dict(arch, model_cfg, router_cfg)
-    for note in export_notes(arch, router_cfg):
+    else:   # the source's config.json, with the balance loss this model trains now
+        source_cfg.update(router_loss_fields(arch, model_cfg, router_cfg))
+    for note in export_notes(arch, router_cfg, model_cfg):
         log(f"note: {note}")
     expected = expected_canonical(model_cfg, router_cfg)
     missing = sorted(set(expected) - set(canonical_names(src)))

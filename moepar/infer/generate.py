@@ -86,7 +86,7 @@ def generate(model, input_ids, max_new_tokens: int = 64, temperature: float = 0.
     generator = torch.Generator(device=device).manual_seed(seed) if temperature > 0 else None
     eos = torch.tensor(list(eos_ids), dtype=input_ids.dtype, device=device)
     cache = model.new_cache(input_ids.shape[1] + max_new_tokens)
-    logits_BV = model(input_ids, cache, logits_to_keep=1)[0][:, -1]
+    logits_BV = model(input_ids, cache=cache, logits_to_keep=1)[0][:, -1]
     done_B = torch.zeros(input_ids.shape[0], dtype=torch.bool, device=device)
     new = []
     for i in range(max_new_tokens):
@@ -98,7 +98,7 @@ def generate(model, input_ids, max_new_tokens: int = 64, temperature: float = 0.
         # One host sync per token, only when there is an EOS to stop at.
         if i + 1 == max_new_tokens or (eos.numel() and bool(done_B.all())):
             break
-        logits_BV = model(token_B[:, None], cache)[0][:, -1]
+        logits_BV = model(token_B[:, None], cache=cache)[0][:, -1]
     return torch.cat([input_ids, *(t[:, None] for t in new)], dim=1)
 
 

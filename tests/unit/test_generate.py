@@ -35,7 +35,7 @@ def cached_logits(m, tokens, chunks):
     """Logits of `tokens` fed through a KV cache in pieces of the given lengths."""
     cache, out, start = m.new_cache(), [], 0
     for n in chunks:
-        out.append(m(tokens[:, start:start + n], cache)[0])
+        out.append(m(tokens[:, start:start + n], cache=cache)[0])
         start += n
     assert cache.length == start == tokens.shape[1]
     return torch.cat(out, dim=1)
@@ -83,13 +83,13 @@ def test_mla_cache_holds_the_latent_only():
     m = model("mla")
     cache = m.new_cache(30)
     with torch.no_grad():
-        m(ids(length=7), cache)
+        m(ids(length=7), cache=cache)
     latent, rope = cache.layers[0].buffers
     assert latent.shape == (2, 30, 12) and rope.shape == (2, 30, 4)   # kv_lora_rank, rope dims
     assert cache.length == 7
     gqa = model("gqa").new_cache(30)
     with torch.no_grad():
-        model("gqa")(ids(length=7), gqa)
+        model("gqa")(ids(length=7), cache=gqa)
     assert [tuple(b.shape) for b in gqa.layers[0].buffers] == [(2, 2, 30, 8)] * 2
 
 
@@ -174,8 +174,8 @@ def test_bad_requests_are_named():
     with pytest.raises(ValueError, match="the KV cache holds 4 positions; 3 are used and 2 more"):
         cache = m.new_cache(4)
         with torch.no_grad():
-            m(ids(length=3), cache)
-            m(ids(length=2), cache)
+            m(ids(length=3), cache=cache)
+            m(ids(length=2), cache=cache)
 
 
 def test_language_model_api():

@@ -143,9 +143,14 @@ def test_export_without_arch_refuses_with_every_problem_and_notes_capacity(tmp_p
     notes = []
     moepar_to_hf(step, str(tmp_path / "hf"), log=notes.append)   # no --arch: the one it fits
     assert json.loads((tmp_path / "hf" / "config.json").read_text())["model_type"] == "qwen3_moe"
-    assert notes == ["note: this model has router.capacity_factor=1.25: moepar drops token copies "
-                     "over an expert's capacity; transformers' qwen3_moe is dropless, so its "
-                     "outputs differ wherever moepar would drop"]
+    assert notes[0] == ("note: this model has router.capacity_factor=1.25: moepar drops token "
+                        "copies over an expert's capacity; transformers' qwen3_moe is dropless, "
+                        "so its outputs differ wherever moepar would drop")
+    # and on its per-layer balance loss, which transformers' loss over all layers cannot match
+    num_moe = sum(cfg.model.is_moe_layer(i) for i in range(cfg.model.num_layers))
+    assert len(notes) == 2 and notes[1].startswith(
+        "note: this model has router.balance_loss='per_layer' (a Switch loss per MoE layer, "
+        f"summed over {num_moe}); transformers' qwen3_moe takes one loss")
 
 
 @pytest.mark.parametrize("change, message", [

@@ -12,6 +12,7 @@ import torch
 
 from moepar.layers.router import (ExpertChoiceRouter, RouterConfig, TopKRouter, build_router,
                                   capacity, sequence_balance_loss, switch_balance_loss, z_loss)
+from moepar.parallel.sequence_router import use_token_group
 
 
 # ---- helpers -------------------------------------------------------------------------------
@@ -510,7 +511,7 @@ def test_token_group_of_one_slice_equals_the_plain_router(policy):
     x = torch.randn(3 * 10, 16, dtype=torch.float64, requires_grad=True)
     plain, plain_losses, plain_stats = router(x, seq_len=10)
     grad_plain = torch.autograd.grad(plain_losses.total + plain.weight_N.sum(), x)[0]
-    router.token_group = _WholeGroup()
+    use_token_group(router, _WholeGroup())
     grouped, losses, stats = router(x, seq_len=10)
     grad_grouped = torch.autograd.grad(losses.total + grouped.weight_N.sum(), x)[0]
     assert torch.equal(grouped.expert_N, plain.expert_N) and int(stats.num_dropped) > 0

@@ -1,0 +1,84 @@
+"""The router under sequence parallelism: each tp rank routes its slice of every sequence, with
+the capacity group and the balance and z losses of the whole micro-batch (as at tp = 1).
+
+Talks on the `tp` group, through the token group (tensor.py `SequenceTokenGroup`) that
+`apply_tp` gives each router.
+Legend: B sequences, S sequence length, s = S/tp this rank's positions, E experts, K experts per
+token, T = B*s tokens of this slice.
+
+| step                       | forward                                 | backward                   |
+|----------------------------|-----------------------------------------|----------------------------|
+| capacity (when set)        | all-gather of (expert, weight) pairs    | - (decisions, no gradient) |
+| losses                     | one all-reduce of their sums            | none (identity: each slice |
+|                            |                                         | gets its tokens' share)    |
+
+`apply_tp` swaps a `TopKRouter`'s class for `SequenceParallelRouter` (`use_token_group`), so the
+choice is made once, at build time; forward never asks whether a group is set.
+"""
+
+import torch
+
+from moepar.layers.balance import BalanceParts, expert_counts
+from moepar.layers.router import TopKRouter, capacity
+
+__all__ = ["SequenceParallelRouter", "use_token_group"]
+
+
+class SequenceParallelRouter(TopKRouter):
+    """A TopKRouter that routes one slice of the micro-batch; `token_group` (gather / local /
+    total, duck-typed: tests pass a one-slice stand-in) makes capacity and losses the whole
+    micro-batch's."""
+
+    token_group = None
+
+    def _finisher(self, finish):
+        # The losses talk on the tp group, so they run now, before the dispatch's collectives.
+        done = finish()
+        return lambda: done
+
+    def _keep(self, expert_N, weight_N, seq_len: int):
+        """Drops decided on the whole micro-batch: every slice's (expert, weight) pairs are
+        gathered into the canonical [B, S, K] order, ranked as one group, and this slice's
+        verdicts kept."""
+        group, k = self.token_group, self.top_k
+        cap = capacity(expert_N.numel() // k * group.size, k, self.cfg.capacity_factor,
+                       self.num_experts)
+        batch = expert_N.numel() // (seq_len * k)
+        pairs = torch.stack([expert_N.to(torch.float64), weight_N.to(torch.float64)], -1)
+        full = group.gather(pairs.view(batch, seq_len, -1)).reshape(-1, 2)
+        keep = self._within_capacity(full[:, 0].long(), full[:, 1].to(weight_N.dtype), cap)
+        return group.local(keep.view(batch, -1, k)).reshape(-1)
+
+    def _loss_values(self, probs_TE, experts_TK, logits_TE, counts_E, seq_len: int):
+        """The losses of the whole micro-batch from this slice: the sums they are built from
+        (expert counts, probability sums, per sequence too, and the z-loss sum) are totalled over
+        the group in one call; `group.total` sums forward and passes gradients straight back, so
+        each slice's tokens get exactly their share of the whole loss's gradient."""
+        group = self.token_group
+        num_tokens, num_experts = probs_TE.shape
+        batch, k = num_tokens // seq_len, self.top_k
+        counts_BE = expert_counts(experts_TK.reshape(batch, -1), num_experts,
+                                  per_row=True).to(probs_TE.dtype)
+        parts = [counts_BE.sum(0), probs_TE.sum(0), counts_BE.flatten(),
+                 probs_TE.view(batch, seq_len, num_experts).sum(1).flatten(),
+                 torch.logsumexp(logits_TE, dim=-1).square().sum().reshape(1).to(probs_TE.dtype)]
+        total = group.total(torch.cat(parts)).split([p.numel() for p in parts])
+        n, full_seq = num_tokens * group.size, seq_len * group.size
+        balance = num_experts * torch.sum(total[0] / (n * k) * (total[1] / n))
+        f_BE = total[2].view(batch, num_experts) / (full_seq * k)
+        p_BE = total[3].view(batch, num_experts) / full_seq
+        seq_balance = num_experts * torch.sum(f_BE * p_BE, dim=1).mean()
+        deferred = BalanceParts(total[0].detach().to(torch.float64), total[1], n) \
+            if self.deferred_balance else None
+        return balance, seq_balance, total[4][0] / n, deferred
+
+
+def use_token_group(router: TopKRouter, token_group) -> TopKRouter:
+    """Makes `router` route slices of `token_group` (a class swap: the module, its parameters
+    and buffers stay); returns it."""
+    if not isinstance(router, TopKRouter):
+        raise ValueError("router.type='expert_choice' with parallel.tp > 1 is not supported "
+                         "(each expert would need every slice's scores); use router.type='topk'")
+    router.__class__ = SequenceParallelRouter
+    router.token_group = token_group
+    return router
