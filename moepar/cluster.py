@@ -4,11 +4,13 @@ c10d rendezvous do the work), and the check that run.dir is one filesystem for e
     moepar train CFG --nproc 8 --nnodes 4 --rdzv-endpoint HOST:PORT [--node-rank R]
     moepar train CFG --nproc 8 --nnodes 2:4 --rdzv-endpoint HOST:PORT --max-restarts 3 --run.resume=auto
 
-`--nnodes N` with `--node-rank R` is a static world (every node must start); with `--nnodes
-MIN:MAX` the job is elastic: torch's agent restarts every worker when one fails (up to
+`--nnodes N` is a fixed world (every node must start; `--node-rank R` is checked against N, and
+c10d numbers the nodes in the order they join); with `--nnodes MIN:MAX` the job is elastic: torch's agent restarts every worker when one fails (up to
 `--max-restarts` times) and re-forms the world from the nodes that are there, and moepar
 resumes from the newest complete checkpoint at the new world size (dp absorbs the change).
-`--print-launch` prints the launcher's arguments and exits (the recipes' tests use it).
+`--rdzv-conf KEY=VALUE,...` reaches torch's rendezvous (e.g. last_call_timeout, join_timeout);
+`--max-restarts K` alone restarts the workers of one node. `--print-launch` prints the
+equivalent `torchrun` command and exits (the recipes' tests use it).
 """
 
 import os
@@ -16,12 +18,13 @@ import socket
 import time
 import uuid
 
-__all__ = ["MULTINODE_FLAGS", "pop_multinode", "launcher_argv", "check_shared_filesystem"]
+__all__ = ["MULTINODE_FLAGS", "pop_multinode", "launcher_argv", "node_counts",
+           "check_shared_filesystem"]
 
 # moepar train's flags for several nodes -> torch.distributed.run's
 MULTINODE_FLAGS = {"--nnodes": "--nnodes", "--node-rank": "--node-rank",
                    "--rdzv-endpoint": "--rdzv-endpoint", "--rdzv-id": "--rdzv-id",
-                   "--max-restarts": "--max-restarts"}
+                   "--max-restarts": "--max-restarts", "--rdzv-conf": "--rdzv-conf"}
 
 
 def pop_multinode(argv: list[str]) -> tuple[dict, bool, list[str]]:
@@ -60,8 +63,11 @@ def _nodes(spec: str) -> tuple[int, int]:
 def launcher_argv(nproc: int, flags: dict) -> list[str]:
     """torch.distributed.run's arguments for `nproc` workers on this node (before the module):
     one node alone (`--standalone`), or several with c10d rendezvous at --rdzv-endpoint."""
-    if not flags:
-        return ["--standalone", f"--nproc_per_node={nproc}"]
+    if set(flags) <= {"--max-restarts"}:
+        return ["--standalone", f"--nproc_per_node={nproc}",
+                *_restarts(flags)]
+    if "--rdzv-conf" in flags and "--nnodes" not in flags:
+        raise ValueError("--rdzv-conf is for several nodes (with --nnodes and --rdzv-endpoint)")
     low, high = _nodes(flags.get("--nnodes", "1"))
     if "--rdzv-endpoint" not in flags:
         raise ValueError("--nnodes needs --rdzv-endpoint HOST:PORT (the first node's address, "
@@ -77,10 +83,30 @@ def launcher_argv(nproc: int, flags: dict) -> list[str]:
         if low != high:
             raise ValueError("--node-rank is for a fixed --nnodes N; elastic MIN:MAX ranks the "
                              "nodes by rendezvous")
-        out.append(f"--node-rank={int(flags['--node-rank'])}")
-    if "--max-restarts" in flags:
-        out.append(f"--max-restarts={int(flags['--max-restarts'])}")
-    return out
+        rank = flags["--node-rank"]
+        if not rank.isdigit() or int(rank) >= low:
+            raise ValueError(f"--node-rank {rank!r} must be 0 .. {low - 1} (one per node of "
+                             f"--nnodes {low})")
+        # Checked, not passed on: c10d ranks the nodes in the order they join (torch warns
+        # that it ignores --node-rank with that backend).
+    if "--rdzv-conf" in flags:
+        out.append(f"--rdzv-conf={flags['--rdzv-conf']}")
+    return out + _restarts(flags)
+
+
+def _restarts(flags: dict) -> list[str]:
+    if "--max-restarts" not in flags:
+        return []
+    value = flags["--max-restarts"]
+    if not value.isdigit():
+        raise ValueError(f"--max-restarts {value!r} must be a non-negative integer")
+    return [f"--max-restarts={int(value)}"]
+
+
+def node_counts(flags: dict) -> range:
+    """The node counts the job may run at: N, or MIN..MAX for an elastic job."""
+    low, high = _nodes(flags.get("--nnodes", "1"))
+    return range(low, high + 1)
 
 
 def check_shared_filesystem(run_dir: str, rank: int, world: int, settle_s: float = 5.0):
@@ -111,9 +137,9 @@ def check_shared_filesystem(run_dir: str, rank: int, world: int, settle_s: float
             break
         time.sleep(0.2)
     seen = [None] * world
-    dist.all_gather_object(seen, (socket.gethostname(), missing))
-    dist.barrier()
+    dist.all_gather_object(seen, (socket.gethostname(), missing))   # every rank has looked
     os.remove(token)
+    dist.barrier()                                # every token is gone: the folder can go
     if rank == 0:
         try:
             os.rmdir(folder)

@@ -221,7 +221,7 @@ class OutputConfig:
     log_every: int = 10
     checkpoint_every: int = 100   # steps; the last step is always saved; 0 saves only the last
     keep_checkpoints: int = 2     # newest complete checkpoints kept; 0 keeps all
-    resume: bool = False          # continue from the newest checkpoint in dir/checkpoints
+    resume: bool | str = False    # continue from the newest checkpoint in dir/checkpoints; "auto": if there is one
     resume_from: str = ""         # or from this checkpoint directory
     init_from: str = ""           # start from these weights (e.g. a converted HF model): step 0, new optimizer
     overwrite: bool = False       # allow a fresh run in a dir that holds a previous run (its checkpoints go)
@@ -233,6 +233,11 @@ class OutputConfig:
     def __post_init__(self):
         if not self.dir:
             raise ValueError("run.dir must not be empty")
+        if isinstance(self.resume, str):
+            if self.resume.lower() != "auto":
+                raise ValueError(f"run.resume={self.resume!r} must be true, false or \"auto\" "
+                                 "(resume when a complete checkpoint exists, else start fresh)")
+            self.resume = "auto"
         for name in ("log_every", "checkpoint_every", "keep_checkpoints", "tb_image_every"):
             if getattr(self, name) < 0:
                 raise ValueError(f"run.{name}={getattr(self, name)} must be >= 0")
@@ -315,9 +320,15 @@ def _convert(key: str, value, hint):
     allowed_none = False
     if isinstance(hint, types.UnionType) or typing.get_origin(hint) is typing.Union:
         args = [a for a in typing.get_args(hint) if a is not type(None)]
-        allowed_none, hint = len(args) < len(typing.get_args(hint)), args[0]
-    if allowed_none and (value is None or (isinstance(value, str) and value.lower() == "none")):
-        return None
+        allowed_none = len(args) < len(typing.get_args(hint))
+        if allowed_none and (value is None or (isinstance(value, str) and value.lower() == "none")):
+            return None
+        for member in args[:-1]:          # each member in turn (bool | str: true, false, "auto")
+            try:
+                return _convert(key, value, member)
+            except ValueError:
+                pass
+        hint = args[-1]
     if typing.get_origin(hint) is list:
         (item,) = typing.get_args(hint)
         if isinstance(value, str):   # from the command line: "1,3,5" or "[1,3,5]" ("" for none)

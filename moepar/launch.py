@@ -1,10 +1,13 @@
 """`moepar train`: parse the command line, validate the config, start workers, run the Trainer.
 
     moepar train CONFIG.toml [--nproc N] [--section.key=value ...]
+    moepar train CONFIG.toml --nproc N --nnodes N|MIN:MAX --rdzv-endpoint HOST:PORT
+                 [--node-rank R] [--max-restarts K] [--rdzv-conf K=V,...] [--print-launch]
 
 `--nproc N` validates the config for N ranks, takes run.dir's lock, then starts N local workers
 with torch's own elastic launcher (what `torchrun` runs); under `torchrun` (or any launcher that
-sets RANK and WORLD_SIZE) the process joins the given world instead. Workers started by torch's
+sets RANK and WORLD_SIZE) the process joins the given world instead. The multi-node flags
+(moepar/cluster.py) go to the same launcher, with torch's c10d rendezvous. Workers started by torch's
 launcher die with it (Linux: PR_SET_PDEATHSIG), so a killed launcher leaves no orphans.
 
 | exit | meaning                                                                        |
@@ -43,6 +46,22 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--nproc", type=int, default=1, metavar="N",
                         help="start N local worker processes (torch's elastic launcher); "
                              "ignored under torchrun, which sets the world itself")
+    nodes = parser.add_argument_group(
+        "several nodes (torch's elastic launcher with c10d rendezvous; run the same command on "
+        "every node)")
+    nodes.add_argument("--nnodes", metavar="N|MIN:MAX",
+                       help="nodes in the job; MIN:MAX is elastic (dp absorbs the change)")
+    nodes.add_argument("--node-rank", metavar="R", help="this node's rank, 0..N-1 (fixed N)")
+    nodes.add_argument("--rdzv-endpoint", metavar="HOST:PORT",
+                       help="the rendezvous: the first node's address and a free port")
+    nodes.add_argument("--rdzv-id", metavar="ID", help="the job's id (default moepar)")
+    nodes.add_argument("--rdzv-conf", metavar="K=V,...",
+                       help="torch's rendezvous settings (e.g. last_call_timeout=30)")
+    nodes.add_argument("--max-restarts", metavar="K",
+                       help="restart every worker up to K times when one fails (with "
+                            "--run.resume=auto: from the newest complete checkpoint)")
+    nodes.add_argument("--print-launch", action="store_true",
+                       help="print the equivalent torchrun command and exit")
     return parser
 
 
@@ -58,7 +77,8 @@ def _parse(argv: list[str]):
     return args, overrides
 
 
-def launch(nproc: int, argv: list[str], run_dir: str | None = None) -> int:
+def launch(nproc: int, argv: list[str], run_dir: str | None = None,
+           launcher: list[str] | None = None) -> int:
     """Runs `moepar <argv>` in nproc local workers with torch's elastic launcher (torchrun's);
     returns the exit code the workers agree on (table above), else 1.
 
@@ -67,15 +87,21 @@ def launch(nproc: int, argv: list[str], run_dir: str | None = None) -> int:
     cannot be taken by it. On SIGTERM the launcher forwards it to the workers and waits for them
     (TORCH_ELASTIC_SHUTDOWN_TIMEOUT seconds, 30 by default, then SIGKILL); it exits 75 when they
     saved a checkpoint for it (found in `run_dir`), else 128 + the signal.
+
+    `launcher`: torch.distributed.run's arguments (moepar/cluster.py's launcher_argv) for a job
+    of several nodes or with restarts; default: one node, `--standalone`, no restarts. Over
+    several nodes the workers' rank 0 takes run.dir's lock (this process is on one node only).
     """
     from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.run import get_args_parser, run
-    args = get_args_parser().parse_args(["--standalone", f"--nproc_per_node={nproc}",
-                                         "--module", "moepar"])
+    one_node = launcher is None or "--standalone" in launcher
+    launcher = launcher or ["--standalone", f"--nproc_per_node={nproc}"]
+    args = get_args_parser().parse_args([*launcher, "--module", "moepar"])
     args.training_script_args = list(argv)
     from moepar.rundir import LAUNCHER_ENV
-    os.environ[LAUNCHER_ENV] = str(os.getpid())    # the workers' rank 0: "your launcher holds it"
+    if one_node:
+        os.environ[LAUNCHER_ENV] = str(os.getpid())  # the workers' rank 0: "your launcher holds it"
     started = time.time()
     try:
         run(args)
@@ -225,32 +251,72 @@ def end_process_group(clean: bool = True):
         dist.destroy_process_group()
 
 
+def _check_node_counts(cfg, nproc: int, flags: dict):
+    """Validates the layout at every world size the job may run at (each node count of
+    --nnodes N or MIN:MAX, times --nproc), before any process starts."""
+    from moepar.cluster import node_counts
+    from moepar.train import build_dims
+    if "--nnodes" not in flags:
+        build_dims(cfg, nproc)
+        return
+    failures = []
+    for nodes in node_counts(flags):
+        try:
+            build_dims(cfg, nodes * nproc)
+        except ValueError as e:
+            failures.append(f"at {nodes} node(s) x {nproc} process(es) = world {nodes * nproc}: "
+                            f"{e}")
+    if failures:
+        raise ValueError("the layout does not fit every world this job may run at; "
+                         + "; ".join(failures))
+
+
 def main(argv: list[str]) -> int:
     die_with_launcher()                 # first: a worker must not outlive its launcher
+    from moepar.cluster import launcher_argv, pop_multinode
     from moepar.config import load_config, to_toml
+    under_launcher = "WORLD_SIZE" in os.environ
     try:
+        flags, print_launch, argv = pop_multinode(argv)
         args, overrides = _parse(argv)
         cfg = load_config(args.config, overrides)
         from moepar.train import build_dims
-        world = int(os.environ.get("WORLD_SIZE", args.nproc))
-        build_dims(cfg, world)          # layout errors here, before any process or collective
+        if under_launcher:
+            if flags or print_launch:
+                raise ValueError(f"{', '.join([*flags, *(['--print-launch'] * print_launch)])} "
+                                 "are moepar train's launcher flags; under torchrun (WORLD_SIZE "
+                                 "is set) the launcher is torchrun's own")
+            build_dims(cfg, int(os.environ["WORLD_SIZE"]))  # before any collective
+        else:
+            launcher = launcher_argv(args.nproc, flags)
+            _check_node_counts(cfg, args.nproc, flags)
     except ValueError as e:
         print(f"moepar: config error: {e}", file=sys.stderr)
         return EXIT_REFUSED
-    if args.nproc > 1 and "WORLD_SIZE" not in os.environ:
-        from moepar.rundir import RunDirError, RunLock
+    if print_launch:
+        import shlex
+        worker = [a for i, a in enumerate(argv) if not a.startswith("--nproc=") and
+                  a != "--nproc" and (i == 0 or argv[i - 1] != "--nproc")]
+        print(shlex.join(["torchrun", *launcher, "-m", "moepar", "train", *worker]))
+        return 0
+    if not under_launcher and (args.nproc > 1 or flags):
+        lock = None
+        if "--standalone" in launcher:   # one node: this process holds run.dir's lock
+            from moepar.rundir import RunDirError, RunLock
+            try:
+                lock = RunLock(cfg.run.dir)  # held until the workers are done
+            except RunDirError as e:
+                print(f"moepar: {e}", file=sys.stderr)
+                return EXIT_REFUSED
+            if not lock.supported:
+                print(f"moepar: warning: run.dir={cfg.run.dir!r} does not support file locks "
+                      f"({lock.error}): nothing stops a second run from using it",
+                      file=sys.stderr)
         try:
-            lock = RunLock(cfg.run.dir)  # held until the workers are done
-        except RunDirError as e:
-            print(f"moepar: {e}", file=sys.stderr)
-            return EXIT_REFUSED
-        if not lock.supported:
-            print(f"moepar: warning: run.dir={cfg.run.dir!r} does not support file locks "
-                  f"({lock.error}): nothing stops a second run from using it", file=sys.stderr)
-        try:
-            return launch(args.nproc, ["train", *argv], cfg.run.dir)
+            return launch(args.nproc, ["train", *argv], cfg.run.dir, launcher)
         finally:
-            lock.release()
+            if lock is not None:
+                lock.release()
     from moepar.rundir import RunDirError
     from moepar.train import NonFiniteError, Preempted, Trainer
     rank = int(os.environ.get("RANK", 0))

@@ -129,10 +129,13 @@ def describe_checkpoints(ckpt_root: str) -> str:
     return f"{ckpt_root} holds {shown}"
 
 
-def plan_start(run, ckpt_root: str, config_path: str | None = None) -> tuple[str | None, list]:
+def plan_start(run, ckpt_root: str, config_path: str | None = None,
+               current: dict | None = None) -> tuple[str | None, list]:
     """(checkpoint to resume from or None for a fresh start, steps an asked overwrite deletes)
     for the [run] section `run`; RunDirError when the start would lose or mix up a previous
-    run's files. Call under the lock, after recovery."""
+    run's files. Call under the lock, after recovery. `current`: this run's config as a dict
+    (run.resume="auto" compares it with the config.toml of a previous start that saved no
+    checkpoint yet)."""
     from moepar.checkpoint import checkpoint_step, complete_steps, latest_checkpoint
     existing = complete_steps(ckpt_root)
     if run.resume_from:
@@ -147,6 +150,13 @@ def plan_start(run, ckpt_root: str, config_path: str | None = None) -> tuple[str
                               "--run.resume later or pruned. Pass --run.overwrite=true to "
                               "delete them, or use another run.dir")
         return run.resume_from, later
+    if run.resume == "auto":
+        path = latest_checkpoint(ckpt_root)
+        if path is not None:
+            return path, []
+        if not run.overwrite and previous_run_files(run.dir, ignore=config_path):
+            _same_run_or_refuse(run.dir, current)
+        return None, existing
     if run.resume:
         path = latest_checkpoint(ckpt_root)
         if path is None:
@@ -164,6 +174,29 @@ def plan_start(run, ckpt_root: str, config_path: str | None = None) -> tuple[str
                           "to continue it, --run.overwrite=true to replace it, or choose "
                           "another run.dir")
     return None, existing
+
+
+def _same_run_or_refuse(run_dir: str, current: dict | None):
+    """run.resume="auto" found a previous start's files but no checkpoint (an elastic restart
+    before the first save): starting over is that run's own restart when its config.toml is this
+    config (up to what a resume may change); anything else is another run, refused."""
+    from moepar.config import load_config, to_dict
+    saved_path = os.path.join(run_dir, "config.toml")
+    found = ", ".join(previous_run_files(run_dir))
+    try:
+        if not os.path.isfile(saved_path):
+            raise ValueError("there is none")
+        saved = to_dict(load_config(saved_path))
+    except ValueError as e:
+        raise RunDirError(f"run.resume=auto: run.dir={run_dir!r} holds a previous run's files "
+                          f"({found}) but no complete checkpoint, and its config.toml cannot be "
+                          f"read ({e}), so it may be another run; pass --run.overwrite=true to "
+                          "replace it, or choose another run.dir") from None
+    try:
+        config_changes(saved, current or {}, [], saved_path)
+    except RunDirError as e:
+        raise RunDirError(f"run.resume=auto: run.dir={run_dir!r} holds another run's files "
+                          f"({found}) and no complete checkpoint: {e}") from None
 
 
 def write_config(cfg, config_path: str | None = None) -> bool:

@@ -31,6 +31,7 @@ import torch
 
 from moepar.checkpoint import (PendingSave, discard, latest_checkpoint, load_checkpoint,
                                read_state, recover_interrupted)
+from moepar.cluster import check_shared_filesystem
 from moepar.config import RunConfig, to_dict
 from moepar.data import build_sampler, check_same_dataset
 from moepar.infer.evaluate import Validation
@@ -125,6 +126,11 @@ class Trainer:
         self.sampler = build_sampler(cfg)
         self.validation = Validation(cfg, self.dims, self.rank) if tcfg.eval_every else None
         init_process_group(cfg.parallel, self.device, world_size)
+        if world_size > 1:     # every rank writes checkpoint files there: one filesystem for all
+            try:
+                check_shared_filesystem(cfg.run.dir, self.rank, world_size)
+            except ValueError as e:
+                raise RunDirError(str(e)) from None
         self.layout = self.dims.bind(self.rank, self.device)
         coords = self.layout.coords
         self.num_micro = tcfg.global_batch_size // tcfg.micro_batch_size
@@ -230,7 +236,8 @@ class Trainer:
             try:
                 for message in recover_interrupted(self.ckpt_root):
                     self.log(f"checkpoints: {message}")
-                path, doomed = plan_start(self.cfg.run, self.ckpt_root, self.config_path)
+                path, doomed = plan_start(self.cfg.run, self.ckpt_root, self.config_path,
+                                          to_dict(self.cfg))
                 for step in doomed:        # asked for by --run.overwrite
                     self.discarding.append(discard(os.path.join(self.ckpt_root, f"step_{step}")))
             except (RunDirError, OSError) as e:
