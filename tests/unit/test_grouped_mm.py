@@ -274,3 +274,22 @@ def test_cuda_native_path_needs_sm90_and_bfloat16(capability, dtype, monkeypatch
     assert _native_runs("cuda", 0, capability, dtype) is False
     assert probed == []
     _native_runs.cache_clear()
+
+
+@native_available
+def test_no_mask_pass_when_no_group_is_empty(monkeypatch):
+    """The mask costs a pass over the whole weight gradient: it is applied only when the host
+    list of rows has an empty group, and the gradients are right either way."""
+    import moepar.layers.grouped_mm as gmm
+    monkeypatch.setattr(gmm, "_masks_empty_groups", lambda device: True)
+    calls = []
+    real = gmm.zero_empty_group_grads
+    monkeypatch.setattr(gmm, "zero_empty_group_grads",
+                        lambda w, offs: calls.append(1) or real(w, offs))
+    for rows, masked in (([3, 2, 7, 1], False), ([3, 0, 7, 1], True)):
+        calls.clear()
+        x_RI, w_GIO, grad_RO = make_inputs(rows, torch.float32)
+        grouped_mm(x_RI, w_GIO, rows).backward(grad_RO)
+        _, ref_dx, ref_dw = loop_reference(x_RI, w_GIO, rows, grad_RO)
+        torch.testing.assert_close(w_GIO.grad.double(), ref_dw, **TOLERANCE[torch.float32])
+        assert calls == ([1] if masked else []), rows
