@@ -311,15 +311,47 @@ def hf_to_moepar(src: str, dst: str, max_shard_bytes: int = 2 << 30,
                     + f"[run]\ndir = {json.dumps(run_dir)}\n")
         # The tokenizer files beside the weights: `moepar data prepare --tokenizer DST` and
         # `moepar generate DST` read them.
-        for name in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
-                     "generation_config.json", "tokenizer.model"):
-            if os.path.isfile(os.path.join(src, name)):
-                shutil.copyfile(os.path.join(src, name), os.path.join(tmp, name))
+        _copy_tokenizer_files(src, tmp)
         commit(tmp, dst, 0)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)     # our own temporary folder, nothing else
         raise
     return dst
+
+
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
+                   "generation_config.json", "tokenizer.model")
+
+
+def _copy_tokenizer_files(src: str, dst: str) -> list[str]:
+    """Copies the tokenizer files src holds into dst; returns their names."""
+    found = [n for n in TOKENIZER_FILES if os.path.isfile(os.path.join(src, n))]
+    for name in found:
+        shutil.copyfile(os.path.join(src, name), os.path.join(dst, name))
+    return found
+
+
+def _export_tokenizer(src: str, data: dict | None, dst: str) -> str:
+    """The tokenizer beside an exported model, so transformers' AutoTokenizer finds it: the files
+    beside the checkpoint (a converted model), else the tokenizer.json of the prepared folder
+    the run trained on. Returns a line saying what was done."""
+    copied = _copy_tokenizer_files(src, dst)
+    if copied:
+        return f"tokenizer: copied {', '.join(copied)} from {src}"
+    data = data or {}
+    if data.get("source") != "tokens":
+        return ("no tokenizer written: the model trained on bytes (data.source="
+                f"{data.get('source', 'builtin')!r}), which no Hugging Face tokenizer file says")
+    from moepar.data.folder import PreparedFolder, is_prepared
+    from moepar.data.tokenizer import BYTE_TOKENIZER_SHA256
+    path = data.get("path") or (data.get("paths") or [""])[0]
+    if not is_prepared(path):
+        return (f"no tokenizer written: the run's data.path={path!r} is not (or no longer) a "
+                "prepared folder; copy its tokenizer.json beside the model yourself")
+    if PreparedFolder(path, "data.path").tokenizer_sha256 == BYTE_TOKENIZER_SHA256:
+        return "no tokenizer written: the model trained on bytes (prepared with --tokenizer bytes)"
+    shutil.copyfile(os.path.join(path, "tokenizer.json"), os.path.join(dst, "tokenizer.json"))
+    return f"tokenizer: copied tokenizer.json from the prepared folder {path}"
 
 
 def moepar_to_hf(src: str, dst: str, arch_name: str | None = None,
@@ -335,6 +367,7 @@ def moepar_to_hf(src: str, dst: str, arch_name: str | None = None,
     try:
         with open(os.path.join(src, "state.json")) as f:
             config = json.load(f)["config"]
+        data_cfg = config.get("data")
         model_cfg, router_cfg = ModelConfig(**config["model"]), RouterConfig(**config["router"])
     except (KeyError, TypeError, ValueError) as e:
         raise ConversionError(f"{src!r}: state.json holds no usable model config ({e})") from None
@@ -363,16 +396,22 @@ def moepar_to_hf(src: str, dst: str, arch_name: str | None = None,
     tmp, writer = _write_shards(dst, "part-{:05d}.safetensors", max_shard_bytes,
                                 canonical_to_hf(arch, model_cfg, _checked(expected, canonical()),
                                                 rope_interleaved(source_cfg)))
-    names = {f"part-{i:05d}.safetensors": f"model-{i + 1:05d}-of-{writer.count:05d}.safetensors"
-             for i in range(writer.count)}
-    for old, new in names.items():
-        os.rename(os.path.join(tmp, old), os.path.join(tmp, new))
-    weight_map = {k: names[v] for k, v in sorted(writer.weight_map.items())}
-    with open(os.path.join(tmp, "model.safetensors.index.json"), "w") as f:
-        json.dump({"metadata": {"total_size": writer.total}, "weight_map": weight_map}, f, indent=2)
-    with open(os.path.join(tmp, "config.json"), "w") as f:
-        json.dump(source_cfg, f, indent=2)
-    os.rename(tmp, dst)
+    try:
+        names = {f"part-{i:05d}.safetensors":
+                 f"model-{i + 1:05d}-of-{writer.count:05d}.safetensors" for i in range(writer.count)}
+        for old, new in names.items():
+            os.rename(os.path.join(tmp, old), os.path.join(tmp, new))
+        weight_map = {k: names[v] for k, v in sorted(writer.weight_map.items())}
+        with open(os.path.join(tmp, "model.safetensors.index.json"), "w") as f:
+            json.dump({"metadata": {"total_size": writer.total}, "weight_map": weight_map}, f,
+                      indent=2)
+        with open(os.path.join(tmp, "config.json"), "w") as f:
+            json.dump(source_cfg, f, indent=2)
+        log(_export_tokenizer(src, data_cfg, tmp))
+        os.rename(tmp, dst)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)     # our own temporary folder, nothing else
+        raise
     return dst
 
 

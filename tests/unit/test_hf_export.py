@@ -148,7 +148,9 @@ def test_export_without_arch_refuses_with_every_problem_and_notes_capacity(tmp_p
                         "so its outputs differ wherever moepar would drop")
     # and on its per-layer balance loss, which transformers' loss over all layers cannot match
     num_moe = sum(cfg.model.is_moe_layer(i) for i in range(cfg.model.num_layers))
-    assert len(notes) == 2 and notes[1].startswith(
+    assert notes[2] == ("no tokenizer written: the model trained on bytes (data.source="
+                        "'builtin'), which no Hugging Face tokenizer file says")
+    assert len(notes) == 3 and notes[1].startswith(
         "note: this model has router.balance_loss='per_layer' (a Switch loss per MoE layer, "
         f"summed over {num_moe}); transformers' qwen3_moe takes one loss")
 
@@ -172,3 +174,32 @@ def test_import_refusals_name_what_config_json_has(change, message, tmp_path):
     with pytest.raises(ConversionError, match=re.escape(message)):
         hf_to_moepar(path, str(tmp_path / "out"))
     assert not (tmp_path / "out").exists()
+
+
+def test_export_carries_the_tokenizer(tmp_path):
+    """HF -> moepar -> HF keeps the tokenizer files (AutoTokenizer loads the exported folder
+    and encodes as the original); a model trained on bytes says that no tokenizer is written."""
+    from moepar.hf import hf_to_moepar
+    from test_data_prepare import word_tokenizer
+    from test_hf import hf_model
+    _, path = hf_model("mixtral", tmp_path)
+    tokenizer = pathlib.Path(word_tokenizer(tmp_path / "tok"))
+    (pathlib.Path(path) / "tokenizer.json").write_bytes(tokenizer.read_bytes())
+    hf_to_moepar(path, str(tmp_path / "mp"), log=lambda _m: None)
+    lines = []
+    moepar_to_hf(str(tmp_path / "mp"), str(tmp_path / "back"), log=lines.append)
+    assert (tmp_path / "back" / "tokenizer.json").read_bytes() == tokenizer.read_bytes()
+    assert (f"tokenizer: copied tokenizer.json, generation_config.json from {tmp_path / 'mp'}"
+            in lines)          # save_pretrained wrote a generation_config.json
+    from tokenizers import Tokenizer
+    original = Tokenizer.from_file(str(tokenizer)).encode("the cat sat").ids
+    assert Tokenizer.from_file(str(tmp_path / "back" / "tokenizer.json")).encode(
+        "the cat sat").ids == original
+    for name in ("tokenizer.json", "generation_config.json"):   # a model with no tokenizer
+        (pathlib.Path(path) / name).unlink()
+    hf_to_moepar(path, str(tmp_path / "mp2"), log=lambda _m: None)
+    lines.clear()
+    moepar_to_hf(str(tmp_path / "mp2"), str(tmp_path / "bare"), log=lines.append)
+    assert not (tmp_path / "bare" / "tokenizer.json").exists()
+    assert any(line.startswith("no tokenizer written: the model trained on bytes")
+               for line in lines), lines
