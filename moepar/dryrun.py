@@ -13,6 +13,7 @@ ZeRO shards over the fewest ranks and each rank holds the most.
 
 from moepar.config import to_toml
 from moepar.plan.memory import param_count, rank_memory, tensor_shapes
+from moepar.progress import count_text
 
 __all__ = ["dry_run", "dry_run_text", "rank_kinds"]
 
@@ -64,13 +65,6 @@ def _ranks(ranks: list[int]) -> str:
     return head + (f", ... ({len(ranks)} ranks)" if len(ranks) > 4 else "")
 
 
-def _count(n: float) -> str:
-    for unit, size in (("T", 1e12), ("B", 1e9), ("M", 1e6), ("k", 1e3)):
-        if n >= size:
-            return f"{n / size:.2f}{unit}"
-    return f"{n:.0f}"
-
-
 def dry_run_text(cfg, nproc: int, nodes=None) -> str:
     r = dry_run(cfg, nproc, nodes)
     p = r["params"]
@@ -81,9 +75,9 @@ def dry_run_text(cfg, nproc: int, nodes=None) -> str:
         out.append(where + lay["describe"] + (f"; {lay['nodes_describe']}"
                                               if lay["nodes_describe"] else ""))
     out += ["", "# parameters",
-            f"total {p['total']:,} ({_count(p['total'])}): dense {p['dense']:,}, "
+            f"total {p['total']:,} ({count_text(p['total'])}): dense {p['dense']:,}, "
             f"experts {p['expert']:,}",
-            f"active per token {p['active']:,} ({_count(p['active'])}; top_k "
+            f"active per token {p['active']:,} ({count_text(p['active'])}; top_k "
             f"{cfg.model.top_k} of {cfg.model.num_experts} experts)", ""]
     zero = cfg.parallel.zero
     smallest = " (the smallest world of --nnodes)" if len(r["layouts"]) > 1 else ""
