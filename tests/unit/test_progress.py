@@ -58,3 +58,30 @@ def test_count_text(n, text):
 def test_params_text():
     assert params_text({"total": 2_822_272, "active": 1_052_800}) == \
         "parameters: 2,822,272 total (2.82M), 1,052,800 active per token (1.05M)"
+
+
+def test_bench_ticker_prints_at_most_every_interval_to_its_stream(monkeypatch):
+    """A benchmark's progress: nothing for a quick one; for a slow one a line at most every
+    2 s, and the last repeat once anything was printed; never from a rank other than 0."""
+    import io
+
+    from moepar.bench import Ticker
+    monkeypatch.delenv("RANK", raising=False)
+    clock = iter([0.0, 0.5, 1.0, 1.5]).__next__    # start, then after each of 3 runs
+    out = io.StringIO()
+    tick = Ticker("train", warmup=1, repeats=2, clock=clock, out=out)
+    for done in (1, 2, 3):
+        tick(done)
+    assert out.getvalue() == ""                   # done in 1.5 s: silent
+    times = [0.0, 1.0, 2.5, 3.0, 3.5, 4.0, 4.2, 4.3]   # start, each call, each say()
+    clock = iter(times).__next__
+    tick = Ticker("train", warmup=2, repeats=3, clock=clock, out=out)
+    for done in (1, 2, 3, 4, 5):
+        tick(done)
+    assert out.getvalue().splitlines() == [
+        "moepar bench train: warm-up 2/2, 3 s",     # at 2.5 s; say() reads the clock at 3.0
+        "moepar bench train: repeat 3/3, 4 s"]      # the last one, though 2 s have not passed
+    monkeypatch.setenv("RANK", "1")
+    quiet = io.StringIO()
+    Ticker("train", 0, 1, every_s=0.0, out=quiet)(1)
+    assert quiet.getvalue() == ""
