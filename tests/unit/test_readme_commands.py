@@ -57,6 +57,26 @@ def _moepar_part(part: str) -> str | None:
     return part
 
 
+def shell_parts(line: str) -> list[str]:
+    """A shell line split at &&, ||, ;, | and { } outside [...] (a synopsis's `[A | B]`)."""
+    parts, current, depth, i = [], "", 0, 0
+    while i < len(line):
+        ch = line[i]
+        depth += (ch == "[") - (ch == "]")
+        two = line[i:i + 2]
+        if depth == 0 and two in ("&&", "||"):
+            parts.append(current)
+            current, i = "", i + 2
+            continue
+        if depth == 0 and ch in ";|{}":
+            parts.append(current)
+            current = ""
+        else:
+            current += ch
+        i += 1
+    return parts + [current]
+
+
 def _refusal(lines: list[str], i: int) -> bool:
     """The output shown after the prompt at lines[i] is an error (a documented refusal)."""
     for line in lines[i + 1:]:
@@ -78,7 +98,7 @@ def readme_commands(text: str) -> list[str]:
             continue
         for line in prompted or lines:
             line = re.split(r"\s#\s|^#", line)[0]                  # a trailing comment
-            for part in re.split(r"&&|;", line):
+            for part in shell_parts(line):
                 command = _moepar_part(part)
                 if command and command not in found:
                     found.append(command)
@@ -212,8 +232,8 @@ def check_plan(argv: list[str]):
 def check_eval(argv: list[str]):
     from moepar.infer.evaluate import build_parser
     parser = build_parser()
-    _, rest = _parse(parser, substitute(argv, parser), known=True)
-    _overrides(TINY, rest)
+    args, rest = _parse(parser, substitute(argv, parser), known=True)
+    _overrides(args.source, rest)     # a run or checkpoint: _config stands in for its config
 
 
 def check_convert(argv: list[str]):
@@ -306,13 +326,17 @@ def test_extraction_placeholders_and_synopses():
         "torchrun --nproc_per_node 4 -m moepar train examples/tiny.toml   # workers",
         "moepar plan: output, not a command", "How moepar plan chooses",
         "moepar bench memory [--zero Z --dp N | --tp N] [--json]   (see ZeRO)",
-        "moepar train examples/tiny.toml \\", "    --nproc 2", "```"])
+        "moepar train examples/tiny.toml \\", "    --nproc 2",
+        "moepar train tiny --run.resume=auto || { [ $? -eq 75 ] && moepar train tiny; }",
+        "moepar inspect runs/tiny --json | python3 -m json.tool", "```"])
     commands = readme_commands(text)
     assert commands == ["moepar train tiny",
                         "moepar train examples/tiny.toml --train.steps=5",
                         "moepar train examples/tiny.toml",
                         "moepar bench memory [--zero Z --dp N | --tp N] [--json]   (see ZeRO)",
-                        "moepar train examples/tiny.toml --nproc 2"]
+                        "moepar train examples/tiny.toml --nproc 2",
+                        "moepar train tiny --run.resume=auto",
+                        "moepar inspect runs/tiny --json"]
     assert variants(commands[3]) == ["moepar bench memory --zero Z --dp N --json",
                                      "moepar bench memory --tp N --json"]
     from moepar.bench import build_parser
