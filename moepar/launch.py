@@ -1,6 +1,6 @@
 """`moepar train`: parse the command line, validate the config, start workers, run the Trainer.
 
-    moepar train CONFIG.toml [--nproc N] [--section.key=value ...]
+    moepar train CONFIG.toml [--nproc N] [--section.key=value ...] [--dry-run]
     moepar train CONFIG.toml --nproc N --nnodes N|MIN:MAX --rdzv-endpoint HOST:PORT
                  [--node-rank R] [--max-restarts K] [--rdzv-conf K=V,...] [--print-launch]
 
@@ -46,6 +46,10 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--nproc", type=int, default=1, metavar="N",
                         help="start N local worker processes (torch's elastic launcher); "
                              "ignored under torchrun, which sets the world itself")
+    parser.add_argument("--dry-run", action="store_true",
+                        help="print the resolved config, the layout, the parameter counts (total, "
+                             "active per token, per rank) and each rank's planned memory, then "
+                             "exit: nothing starts, nothing is written")
     nodes = parser.add_argument_group(
         "several nodes (torch's elastic launcher with c10d rendezvous; run the same command on "
         "every node)")
@@ -293,6 +297,20 @@ def main(argv: list[str]) -> int:
     except ValueError as e:
         print(f"moepar: config error: {e}", file=sys.stderr)
         return EXIT_REFUSED
+    if args.dry_run:           # pure arithmetic: no process, no lock, no run.dir
+        from moepar.cluster import node_counts
+        from moepar.dryrun import dry_run_text
+        world = int(os.environ.get("WORLD_SIZE", 0))
+        try:
+            text = (dry_run_text(cfg, world) if under_launcher else
+                    dry_run_text(cfg, args.nproc, node_counts(flags) if "--nnodes" in flags
+                                 else None))
+        except ValueError as e:
+            print(f"moepar: config error: {e}", file=sys.stderr)
+            return EXIT_REFUSED
+        if int(os.environ.get("RANK", 0)) == 0:
+            print(text)
+        return 0
     if print_launch:
         import shlex
         worker = [a for i, a in enumerate(argv) if not a.startswith("--nproc=") and

@@ -42,6 +42,8 @@ from moepar.metrics import MetricsWriter, StepStats
 from moepar.parallel import Options, ParallelDims, parallelize
 from moepar.parallel.handle import local_tensor
 from moepar.parallel.schedules import check_schedule
+from moepar.plan.memory import param_count
+from moepar.progress import Progress, params_text
 from moepar.rundir import (RunDirError, RunLock, config_changes, launcher_holds_lock, plan_start,
                            write_config)
 
@@ -183,6 +185,7 @@ class Trainer:
         self.log(f"layout: {self.dims.describe()}; zero {cfg.parallel.zero}; "
                  f"{self.num_local_micro} micro-batch(es) of "
                  f"{tcfg.micro_batch_size} per rank per step; device {self.device}")
+        self.log(params_text(param_count(cfg.model)))
 
     # The handle's parts, by the names tests and benchmarks use.
     model = property(lambda self: self.engine.model)
@@ -384,6 +387,7 @@ class Trainer:
             state["loss_scale"] = self.scaler.state_dict()
         if reason:
             state["stop_reason"] = reason
+        self.log(f"saving step {self.step} to {self.ckpt_root} ...")   # a large save takes a while
         pending = PendingSave(self.ckpt_root, self.step, self.engine, state,
                               keep=self.cfg.run.keep_checkpoints, background=background)
         self.saved_step = self.step
@@ -434,6 +438,8 @@ class Trainer:
                     writer = MetricsWriter(cfg.run.dir, cfg.run.tensorboard,
                                            resume_step=self.step, ep=self.dims.ep,
                                            model=cfg.model, image_every=cfg.run.tb_image_every)
+                progress = Progress(cfg.train.steps, cfg.train.global_batch_size *
+                                    cfg.train.seq_len, self.step, time.perf_counter())
                 while self.step < cfg.train.steps:
                     record = self.train_step()
                     if self.validation is not None and self.validation.due(self.step):
@@ -446,7 +452,7 @@ class Trainer:
                         writer.write(record, self.last_stats, bias_LE)
                     if cfg.run.log_every and (self.step % cfg.run.log_every == 0 or self.step == 1
                                               or self.step == cfg.train.steps):
-                        self.log(progress_line(record, cfg.train.steps))
+                        self.log(progress.line(record, time.perf_counter()))
                     self.poll_save()
                     every = cfg.run.checkpoint_every
                     if self.step == cfg.train.steps or (every and self.step % every == 0):
@@ -491,10 +497,3 @@ class _StopOnSignal:
         if self.previous is not None:
             signal.signal(signal.SIGTERM, self.previous)
         return False
-
-
-def progress_line(r: dict, total_steps: int) -> str:
-    return (f"step {r['step']:>5}/{total_steps} | loss {r['loss']:.4f} | aux {r['aux_loss']:.4f} | "
-            f"z {r['z_loss']:.2e} | gnorm {r['grad_norm']:.3f} | lr {r['lr']:.2e} | "
-            f"{r['tokens_per_s'] / 1000:.1f}k tok/s | load max/mean {r['max_load_ratio']:.2f} | "
-            f"drop {100 * r['drop_fraction']:.1f}%")

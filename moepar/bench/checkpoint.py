@@ -23,6 +23,8 @@ import sys
 import tempfile
 import time
 
+from moepar.bench import Ticker
+
 __all__ = ["worker_main", "print_result", "model_overrides"]
 
 
@@ -105,6 +107,8 @@ def worker_main(args) -> dict:
                 "--train.steps=1", "--run.tensorboard=false", "--run.log_every=0",
                 "--run.checkpoint_every=0", f"--run.dir={tmp}"]
             cfg = load_config(None, overrides)
+            say = Ticker("checkpoint", 0, 0).say
+            say(f"building a {args.size_gb:g} GB model")
             _warm_up(cfg)
             with _Peak() as build:
                 trainer = Trainer(cfg, log=lambda _m: None)
@@ -120,10 +124,12 @@ def worker_main(args) -> dict:
                               for lt in shards + moments for seg in lt.segments)
             engine.zero_grad()
             gc.collect()
+            say("saving")
             with _Peak() as save:
                 path = trainer.save()
             # The same save in the background: training waits only for the copy to host memory.
             trainer.step += 1
+            say("saving in the background")
             start = time.perf_counter()
             trainer.save(background=True)
             async_stall = time.perf_counter() - start
@@ -134,6 +140,7 @@ def worker_main(args) -> dict:
             gc.collect()
             resume = load_config(None, overrides + [f"--run.resume_from={path}",
                                                     "--run.overwrite=true"])
+            say("loading")
             with _Peak() as load:
                 trainer = Trainer(resume, log=lambda _m: None)
             full = sum(math.prod(t.shape) * 4 for t in trainer.engine.canonical.values())

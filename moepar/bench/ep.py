@@ -22,6 +22,7 @@ import time
 import torch
 import torch.distributed as dist
 
+from moepar.bench import Ticker
 from moepar.bench.moe_layer import PlainSwiGLU, paired_ratio
 from moepar.layers import FeedForward, MoE
 from moepar.parallel.dims import ParallelDims
@@ -114,6 +115,7 @@ def bench_dispatch(args, dtype) -> dict:
         moe = _moe(args, dtype, rank, dims, meshes, dispatcher, dedup)
         timer = getattr(moe.dispatcher, "timer", None)
         times, shares, floats, ints, a2a_total, a2a_exposed = [], [], [], [], [], []
+        tick = Ticker(f"dispatch ({name})", args.warmup, args.repeats)
         for rep in range(args.warmup + args.repeats):
             x.grad = None
             dist.barrier()
@@ -134,6 +136,7 @@ def bench_dispatch(args, dtype) -> dict:
                 ints.append(fwd.int_bytes)
                 a2a_total.append(total * 1000)
                 a2a_exposed.append(exposed * 1000)
+            tick(rep + 1)
         # Bytes per token over the whole EP group (every rank's remote traffic, dispatch + combine).
         totals = torch.tensor([statistics.median(floats), statistics.median(ints)], dtype=torch.float64)
         dist.all_reduce(totals)
@@ -166,6 +169,7 @@ def bench_moe_layer_ep(args, dtype) -> dict:
     leaves = [*moe.parameters(), *ideal.parameters(), *plain.parameters(), x, rows]
     times = {name: [] for name in cases}
     a2a_total, a2a_exposed = [], []
+    tick = Ticker("moe-layer", args.warmup, args.repeats)
     for rep in range(args.warmup + args.repeats):
         for name, fn in cases.items():
             for p in leaves:
@@ -182,6 +186,7 @@ def bench_moe_layer_ep(args, dtype) -> dict:
                 if name == "moe":
                     a2a_total.append(total * 1000)
                     a2a_exposed.append(exposed * 1000)
+        tick(rep + 1)
     med = {name: statistics.median(ts) for name, ts in times.items()}
     return {"ep": args.ep, "tokens_per_rank": args.tokens, "dim": args.dim, "ffn_dim": args.ffn_dim,
             "experts": args.experts, "top_k": args.top_k, "dtype": args.dtype, "threads_per_rank": 1,

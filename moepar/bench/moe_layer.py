@@ -22,6 +22,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from moepar.bench import Ticker
 from moepar.layers import FeedForward, MoE
 
 __all__ = ["bench_moe_layer", "print_layer", "DTYPES", "PlainSwiGLU"]
@@ -81,6 +82,7 @@ def bench_moe_layer(tokens=4096, dim=512, ffn_dim=1024, experts=8, top_k=2, dtyp
              "naive": lambda: _naive_moe(moe, x_TD).pow(2).mean().backward()}
     leaves = [*moe.parameters(), *ideal.parameters(), *plain.parameters(), x_TD, x_rows]
     times = {name: [] for name in cases}
+    tick = Ticker("moe-layer", warmup, repeats)
     for rep in range(warmup + repeats):
         for name, fn in cases.items():
             for p in leaves:
@@ -92,6 +94,7 @@ def bench_moe_layer(tokens=4096, dim=512, ffn_dim=1024, experts=8, top_k=2, dtyp
             elapsed = time.perf_counter() - start
             if rep >= warmup:
                 times[name].append(elapsed * 1000)
+        tick(rep + 1)
     med = {name: statistics.median(ts) for name, ts in times.items()}
     # Expert FLOPs of forward + backward: 3 x 2 x (T*k rows) x (D*2F + F*D) for SwiGLU.
     flops = 18.0 * tokens * top_k * dim * ffn_dim

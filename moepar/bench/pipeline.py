@@ -18,6 +18,8 @@ import weakref
 import torch
 import torch.distributed as dist
 
+from moepar.bench import Ticker
+
 __all__ = ["worker_main", "print_result", "SavedActivationMeter"]
 
 
@@ -89,6 +91,7 @@ def worker_main(args) -> dict:
             runner = trainer.runner
             meter = SavedActivationMeter(list(trainer.model.parameters()))
             bubbles, peaks, walls = [], [], []
+            tick = Ticker("pipeline", args.warmup, args.repeats)
             for step in range(args.warmup + args.repeats):
                 with meter.active():
                     trainer.train_step()
@@ -96,6 +99,7 @@ def worker_main(args) -> dict:
                     bubbles.append(measured_bubble(runner.events, runner.step_start, runner.step_end))
                     walls.append(runner.step_end - runner.step_start)
                     peaks.append(meter.peak)
+                tick(step + 1)
             mine = {"pp_rank": trainer.dims.coords(trainer.rank).pp,
                     "layers": trainer.model.layer_ids,
                     "bubble": statistics.median(bubbles), "step_ms": 1000 * statistics.median(walls),

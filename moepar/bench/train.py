@@ -16,6 +16,8 @@ import time
 
 import torch
 
+from moepar.bench import Ticker
+
 __all__ = ["bench_train", "flops_per_token", "print_result", "PEAK_TFLOPS"]
 
 # Dense bfloat16 spec peaks (no sparsity), TFLOP/s, matched on the device name.
@@ -50,6 +52,7 @@ def bench_train(cfg, steps: int = 10, warmup: int = 2, peak_tflops: float | None
         trainer = Trainer(cfg, log=lambda _m: None)
         device = trainer.device
         times = []
+        tick = Ticker("train", warmup, steps)
         for step in range(warmup + steps):
             _sync(device)
             start = time.perf_counter()
@@ -57,6 +60,7 @@ def bench_train(cfg, steps: int = 10, warmup: int = 2, peak_tflops: float | None
             _sync(device)
             if step >= warmup:
                 times.append(time.perf_counter() - start)
+            tick(step + 1)
     tokens = cfg.train.global_batch_size * cfg.train.seq_len
     per_token = flops_per_token(cfg)
     step_s = statistics.median(times)
