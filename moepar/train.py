@@ -116,7 +116,10 @@ def build_dims(cfg: RunConfig, world_size: int) -> ParallelDims:
 class Trainer:
     """Builds the data, the layout and the parallel model from a validated RunConfig; `run()` trains."""
 
-    def __init__(self, cfg: RunConfig, log=print, config_path: str | None = None):
+    def __init__(self, cfg: RunConfig, log=print, config_path: str | None = None,
+                 shared_run_dir: bool = True):
+        """`shared_run_dir=False`: each rank has a scratch run.dir of its own and nothing is
+        saved (benchmarks); skips the check that run.dir is one filesystem for all ranks."""
         self.cfg, self.config_path = cfg, config_path
         tcfg = cfg.train
         world_size = int(os.environ.get("WORLD_SIZE", 1))
@@ -128,7 +131,7 @@ class Trainer:
         self.sampler = build_sampler(cfg)
         self.validation = Validation(cfg, self.dims, self.rank) if tcfg.eval_every else None
         init_process_group(cfg.parallel, self.device, world_size)
-        if world_size > 1:     # every rank writes checkpoint files there: one filesystem for all
+        if world_size > 1 and shared_run_dir:   # every rank writes checkpoints there
             try:
                 check_shared_filesystem(cfg.run.dir, self.rank, world_size)
             except ValueError as e:

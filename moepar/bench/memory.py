@@ -112,7 +112,8 @@ def worker_main(args) -> dict:
                          f"--parallel.ep={args.ep}",
                          f"--parallel.zero={args.zero}", "--run.tensorboard=false",
                          "--run.log_every=0", f"--run.dir={tmp}"]
-            trainer = Trainer(load_config(None, overrides), log=lambda _m: None)
+            trainer = Trainer(load_config(None, overrides), log=lambda _m: None,
+                              shared_run_dir=False)   # a scratch dir per rank, no saves
             trainer.train_step()                     # creates the optimizer state
             # The formula is ZeRO's (dense over dp, experts over edp); tensor parallelism shards
             # attention and embeddings on top, reported on their own.

@@ -87,7 +87,8 @@ def worker_main(args) -> dict:
                          # CPU processes: action timings need no device synchronisation.
                          "--train.device=cpu",
                          "--run.log_every=0", f"--run.dir={tmp}"]
-            trainer = Trainer(load_config(None, overrides), log=lambda _m: None)
+            trainer = Trainer(load_config(None, overrides), log=lambda _m: None,
+                              shared_run_dir=False)   # a scratch dir per rank, no saves
             runner = trainer.runner
             meter = SavedActivationMeter(list(trainer.model.parameters()))
             bubbles, peaks, walls = [], [], []
