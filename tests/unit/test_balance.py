@@ -160,18 +160,7 @@ def test_recompute_finds_the_slot_and_injects_once():
         torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-15)
 
 
-class _WholeGroup:
-    """A token group of one slice (see test_router.py)."""
-    size = 1
-
-    def gather(self, t):
-        return t.clone()
-
-    def local(self, t):
-        return t
-
-    def total(self, t):
-        return t
+from test_router import _WholeGroup  # noqa: E402  (a token group of one slice)
 
 
 def test_sequence_parallel_router_gives_the_same_deferred_sums():
