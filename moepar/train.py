@@ -47,7 +47,7 @@ from moepar.progress import Progress, params_text
 from moepar.rundir import (RunDirError, RunLock, config_changes, launcher_holds_lock, plan_start,
                            write_config)
 
-__all__ = ["Trainer", "lr_at", "NonFiniteError", "Preempted", "build_dims"]
+__all__ = ["Trainer", "lr_at", "NonFiniteError", "Preempted", "build_dims", "build_engine"]
 
 _PARAM_DTYPES = {"float32": torch.float32, "bfloat16": torch.float32, "float16": torch.float32,
                  "float64": torch.float64}
@@ -113,6 +113,20 @@ def build_dims(cfg: RunConfig, world_size: int) -> ParallelDims:
     return dims
 
 
+def build_engine(cfg: RunConfig, layout, device, num_local_micro: int):
+    """The parallel model of `cfg` on `layout` (training, `moepar eval`): the whole model exists
+    only as shapes (meta); `parallelize` shards it and each rank allocates and draws its own."""
+    t = cfg.train
+    with torch.device("meta"):
+        model = Transformer(cfg.model, cfg.router, seed=t.seed)
+    model = model.to(_PARAM_DTYPES[t.dtype])
+    options = Options(cfg.parallel, adamw_factory(t, fused=device.type == "cuda"),
+                      num_micro=num_local_micro, vocab_size=cfg.model.vocab_size,
+                      seq_len=t.seq_len, recompute=t.recompute,
+                      compute_dtype=_AUTOCAST.get(t.dtype), seed=t.seed)
+    return parallelize(model, layout, options)
+
+
 class Trainer:
     """Builds the data, the layout and the parallel model from a validated RunConfig; `run()` trains."""
 
@@ -153,17 +167,7 @@ class Trainer:
             for note in config_changes(saved.get("config"), to_dict(cfg), cfg.run.allow_changes,
                                        resume_path):
                 self.log(f"resume: {note}")
-        # The whole model exists only as shapes; each rank allocates and draws its own shards.
-        with torch.device("meta"):
-            model = Transformer(cfg.model, cfg.router, seed=tcfg.seed)
-        model = model.to(_PARAM_DTYPES[tcfg.dtype])
-        options = Options(cfg.parallel, adamw_factory(tcfg, fused=self.device.type == "cuda"),
-                          num_micro=self.num_local_micro, vocab_size=cfg.model.vocab_size,
-                          seq_len=tcfg.seq_len,
-                          recompute=tcfg.recompute,
-                          compute_dtype=_AUTOCAST.get(tcfg.dtype),
-                          seed=tcfg.seed)
-        self.engine = parallelize(model, self.layout, options)
+        self.engine = build_engine(cfg, self.layout, self.device, self.num_local_micro)
         # float16 needs loss scaling (dynamic); elsewhere train.loss_scale > 0 is a fixed scale.
         self.scaler = None
         if tcfg.dtype == "float16" or tcfg.loss_scale > 0:

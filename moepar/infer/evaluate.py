@@ -21,9 +21,8 @@ import math
 import os
 import sys
 
-import torch
 
-__all__ = ["Validation", "perplexity", "build_engine", "main"]
+__all__ = ["Validation", "perplexity", "main"]
 
 
 def perplexity(loss: float) -> float:
@@ -57,23 +56,6 @@ class Validation:
         loss_sum = sum(engine.evaluate([x for x, _ in r], [y for _, y in r]) for r in self.rounds)
         loss = float(loss_sum) / self.num_micro      # the one host sync
         return {"val_loss": loss, "val_ppl": perplexity(loss)}
-
-
-def build_engine(cfg, layout, device, num_local_micro: int):
-    """The parallel model as the Trainer builds it (meta build, then `parallelize`)."""
-    from moepar.layers import Transformer
-    from moepar.parallel import Options, parallelize
-    from moepar.train import adamw_factory
-    t = cfg.train
-    with torch.device("meta"):
-        model = Transformer(cfg.model, cfg.router, seed=t.seed)
-    options = Options(cfg.parallel, adamw_factory(t), num_micro=num_local_micro,
-                      vocab_size=cfg.model.vocab_size, seq_len=t.seq_len,
-                      compute_dtype=torch.bfloat16 if t.dtype == "bfloat16" else None,
-                      seed=t.seed)
-    # Parameters in float32 under bfloat16 training (autocast), as the Trainer keeps them.
-    dtype = torch.float64 if t.dtype == "float64" else torch.float32
-    return parallelize(model.to(dtype), layout, options)
 
 
 # ---- the command ------------------------------------------------------------------------------
@@ -145,6 +127,7 @@ def evaluate_checkpoint(cfg, dims, weights: str) -> dict:
     device = select_device(cfg.train.device, cfg.parallel.backend)
     init_process_group(cfg.parallel, device, dims.world_size)
     num_local = cfg.train.global_batch_size // cfg.train.micro_batch_size // dims.dp
+    from moepar.train import build_engine     # train imports this module: lazily
     engine = build_engine(cfg, dims.bind(rank, device), device, num_local)
     load_checkpoint(weights, engine, restore_rng=False)
     t = cfg.train
