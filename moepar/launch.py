@@ -28,11 +28,18 @@ import signal
 import sys
 import time
 
-__all__ = ["main", "launch", "end_process_group", "build_parser", "select_device",
+__all__ = ["main", "launch", "FRESH_STORE_ENV", "end_process_group", "build_parser", "select_device",
            "device_index", "init_process_group", "die_with_launcher", "timeout_for_new_groups",
            "EXIT_FAILED", "EXIT_REFUSED", "EXIT_DIVERGED", "EXIT_PREEMPTED"]
 
 EXIT_FAILED, EXIT_REFUSED, EXIT_DIVERGED, EXIT_PREEMPTED = 1, 2, 3, 75
+
+# torch's c10d rendezvous (2.13) shares its agent's TCP store with the workers and keeps that
+# store across restarts with no per-attempt key prefix, so after an elastic restart the workers
+# of the new world can read their predecessors' gloo/NCCL addresses and fail to connect
+# ("Connection refused"). Opting out of the sharing gives every round a fresh store, hosted by
+# the round's worker rank 0.
+FRESH_STORE_ENV = ("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "1")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -101,6 +108,7 @@ def launch(nproc: int, argv: list[str], run_dir: str | None = None,
     from torch.distributed.run import get_args_parser, run
     one_node = launcher is None or "--standalone" in launcher
     launcher = launcher or ["--standalone", f"--nproc_per_node={nproc}"]
+    os.environ.setdefault(*FRESH_STORE_ENV)
     args = get_args_parser().parse_args([*launcher, "--module", "moepar"])
     args.training_script_args = list(argv)
     from moepar.rundir import LAUNCHER_ENV
@@ -315,7 +323,8 @@ def main(argv: list[str]) -> int:
         import shlex
         worker = [a for i, a in enumerate(argv) if not a.startswith("--nproc=") and
                   a != "--nproc" and (i == 0 or argv[i - 1] != "--nproc")]
-        print(shlex.join(["torchrun", *launcher, "-m", "moepar", "train", *worker]))
+        print(shlex.join([f"{FRESH_STORE_ENV[0]}={FRESH_STORE_ENV[1]}", "torchrun", *launcher,
+                          "-m", "moepar", "train", *worker]))
         return 0
     if not under_launcher and (args.nproc > 1 or flags):
         lock = None

@@ -33,8 +33,8 @@ def torch_reads(command: str):
     """The printed `torchrun ...` command, parsed by torch's own launcher parser."""
     from torch.distributed.run import get_args_parser
     words = shlex.split(command)
-    assert words[0] == "torchrun"
-    return get_args_parser().parse_args(words[1:])
+    assert words[:2] == ["TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1", "torchrun"], words[:2]
+    return get_args_parser().parse_args(words[2:])
 
 
 # ---- the launcher's arguments ------------------------------------------------------------------
