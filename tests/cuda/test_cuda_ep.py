@@ -1,0 +1,90 @@
+"""Expert-parallel dispatchers on NCCL (two GPUs; skipped otherwise): every dispatcher's round
+trip, with a rank that sends nothing and a rank that receives nothing, against the combine
+computed by hand (as tests/dist/test_ep.py checks on gloo)."""
+
+import os
+import socket
+
+import pytest
+import torch
+
+pytestmark = [pytest.mark.cuda,
+              pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs for NCCL")]
+
+DIM, FFN, E, K, T = 8, 12, 8, 2, 10
+KINDS = [("alltoall", False), ("alltoall", True), ("allgather", False)]
+# ep 2: experts 0-3 live on rank 0, 4-7 on rank 1
+SCENARIOS = ["random", "rank0_sends_nothing", "rank1_receives_nothing"]
+
+
+def _routing(scenario: str, rank: int, gen):
+    from moepar.layers import Routing
+    token = torch.arange(T).repeat_interleave(K)
+    weight = torch.rand(T * K, dtype=torch.float64, generator=gen)
+    if scenario == "random":
+        expert = torch.stack([torch.randperm(E, generator=gen)[:K] for _ in range(T)]).flatten()
+    elif scenario == "rank0_sends_nothing":        # expert E: dropped
+        expert = torch.full((T * K,), E) if rank == 0 else torch.tensor([0, 5] * T)
+    else:                                          # every copy to rank 0's experts
+        expert = torch.tensor([0, 3] * T)
+    return Routing(token.cuda(), expert.cuda(), weight.cuda(), K)
+
+
+def _round_trip(rank: int, port: int, dispatcher: str, dedup: bool, scenario: str):
+    import torch.distributed as dist
+
+    from moepar.layers import MoE
+    from moepar.parallel.dims import ParallelDims
+    from moepar.parallel.expert import apply_ep
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
+                      WORLD_SIZE="2", LOCAL_RANK=str(rank))
+    device = torch.device("cuda", rank)
+    torch.cuda.set_device(device)
+    dist.init_process_group("nccl", device_id=device)
+    try:
+        dims = ParallelDims.resolve(2, ep=2, num_experts=E)
+        meshes = dims.build_meshes("cuda")
+        moe = apply_ep(MoE(DIM, FFN, E, K).double().cuda(), dims, meshes, rank, dispatcher,
+                       dedup, debug=True)
+        gen = torch.Generator().manual_seed(100 + rank)
+        x = torch.randn(T, DIM, dtype=torch.float64, generator=gen).cuda().requires_grad_()
+        routing = _routing(scenario, rank, gen)
+        x_RD, plan = moe.dispatcher.dispatch(x, routing)
+        assert sum(plan.rows_per_expert) == x_RD.shape[0]
+        if scenario == "rank1_receives_nothing" and rank == 1:
+            assert x_RD.shape[0] == 0
+        ids = torch.repeat_interleave(
+            torch.arange(len(plan.rows_per_expert), device=device) + moe.experts.expert_offset,
+            torch.tensor(plan.rows_per_expert, device=device), output_size=x_RD.shape[0])
+        y = moe.dispatcher.combine(x_RD * (ids + 1).unsqueeze(1).double(), plan)
+        expert_N, token_N, weight_N = (t.cpu() for t in (routing.expert_N, routing.token_N,
+                                                         routing.weight_N))
+        x_host = x.detach().cpu()
+        expected = torch.zeros(T, DIM, dtype=torch.float64)
+        scale = torch.zeros(T, dtype=torch.float64)
+        for n in range(T * K):
+            e, t = int(expert_N[n]), int(token_N[n])
+            if e < E:
+                expected[t] += weight_N[n] * x_host[t] * (e + 1)
+                scale[t] += weight_N[n] * (e + 1)
+        torch.testing.assert_close(y.cpu(), expected, rtol=1e-12, atol=1e-12)
+        y.sum().backward()
+        torch.testing.assert_close(x.grad.cpu(), scale.unsqueeze(1).expand(-1, DIM), rtol=1e-12,
+                                   atol=1e-12)
+        torch.cuda.synchronize()
+        dist.barrier()      # no rank tears its communicators down while its peer still talks
+    finally:
+        dist.destroy_process_group()
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.mark.parametrize("scenario", SCENARIOS)
+@pytest.mark.parametrize("dispatcher, dedup", KINDS, ids=["alltoall", "dedup", "allgather"])
+def test_dispatcher_round_trip_on_nccl(dispatcher, dedup, scenario):
+    import torch.multiprocessing as mp
+    mp.spawn(_round_trip, args=(_free_port(), dispatcher, dedup, scenario), nprocs=2, join=True)
