@@ -118,33 +118,39 @@ def check_shared_filesystem(run_dir: str, rank: int, world: int, settle_s: float
     import torch.distributed as dist
     if world == 1:
         return
-    folder = os.path.join(run_dir, ".moepar-fs-check")
-    os.makedirs(folder, exist_ok=True)
     box = [uuid.uuid4().hex if rank == 0 else None]
-    dist.broadcast_object_list(box, src=0)        # this check's tokens, not an older run's
-    token = os.path.join(folder, f"{box[0]}-{rank}")
+    dist.broadcast_object_list(box, src=0)        # this check's id: its own folder, so a second
+    parent = os.path.join(run_dir, ".moepar-fs-check")     # start on the same dir cannot mix in
+    folder = os.path.join(parent, box[0])
+    os.makedirs(folder, exist_ok=True)
+    token = os.path.join(folder, str(rank))
     with open(token + ".tmp", "w") as f:
         f.write(socket.gethostname())
         f.flush()
         os.fsync(f.fileno())
     os.replace(token + ".tmp", token)
     dist.barrier()
-    deadline, missing = time.monotonic() + settle_s, list(range(world))
+    # One directory listing per look (not a lookup per rank: 2048 ranks would make 4M stats).
+    deadline, expected = time.monotonic() + settle_s, {str(r) for r in range(world)}
     while True:
-        missing = [r for r in range(world)
-                   if not os.path.exists(os.path.join(folder, f"{box[0]}-{r}"))]
+        try:
+            names = set(os.listdir(folder))
+        except FileNotFoundError:
+            names = set()
+        missing = sorted(int(r) for r in expected - names)
         if not missing or time.monotonic() > deadline:
             break
         time.sleep(0.2)
     seen = [None] * world
     dist.all_gather_object(seen, (socket.gethostname(), missing))   # every rank has looked
     os.remove(token)
-    dist.barrier()                                # every token is gone: the folder can go
+    dist.barrier()                                # every token is gone: the folders can go
     if rank == 0:
-        try:
-            os.rmdir(folder)
-        except OSError:
-            pass
+        for path in (folder, parent):
+            try:
+                os.rmdir(path)
+            except OSError:
+                pass         # another start's check is using the parent, or a node-local copy
     blind = [(r, host, miss) for r, (host, miss) in enumerate(seen) if miss]
     if blind:
         r, host, miss = blind[0]

@@ -317,12 +317,13 @@ def _section_types(cls) -> dict[str, type]:
 
 def _convert(key: str, value, hint):
     """Converts a TOML or command-line value to the field's type, or raises naming the key."""
-    allowed_none = False
+    allowed_none, members = False, None
     if isinstance(hint, types.UnionType) or typing.get_origin(hint) is typing.Union:
         args = [a for a in typing.get_args(hint) if a is not type(None)]
         allowed_none = len(args) < len(typing.get_args(hint))
         if allowed_none and (value is None or (isinstance(value, str) and value.lower() == "none")):
             return None
+        members = args
         for member in args[:-1]:          # each member in turn (bool | str: true, false, "auto")
             try:
                 return _convert(key, value, member)
@@ -360,7 +361,7 @@ def _convert(key: str, value, hint):
             return str(value)
     except (TypeError, ValueError):
         pass
-    kind = hint.__name__ + (" or none" if allowed_none else "")
+    kind = " or ".join(m.__name__ for m in members or [hint]) + (" or none" if allowed_none else "")
     raise ValueError(f"{key}={value!r} is not a valid {kind}")
 
 

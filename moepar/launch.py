@@ -34,18 +34,24 @@ __all__ = ["main", "launch", "FRESH_STORE_ENV", "end_process_group", "build_pars
 
 EXIT_FAILED, EXIT_REFUSED, EXIT_DIVERGED, EXIT_PREEMPTED = 1, 2, 3, 75
 
+def restarts(launcher: list[str]) -> bool:
+    """Whether torch's launcher arguments let it restart the workers."""
+    return any(a.startswith("--max-restarts=") and a != "--max-restarts=0" for a in launcher)
+
+
 # torch's c10d rendezvous (2.13) shares its agent's TCP store with the workers and keeps that
 # store across restarts with no per-attempt key prefix, so after an elastic restart the workers
 # of the new world can read their predecessors' gloo/NCCL addresses and fail to connect
 # ("Connection refused"). Opting out of the sharing gives every round a fresh store, hosted by
-# the round's worker rank 0.
+# the round's worker rank 0 (on the first node's hostname as it resolves it): set only for jobs
+# that can restart.
 FRESH_STORE_ENV = ("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "1")
 
 
 def build_parser() -> argparse.ArgumentParser:
     from moepar.config import config_reference
     parser = argparse.ArgumentParser(
-        prog="moepar train", formatter_class=argparse.RawDescriptionHelpFormatter,
+        allow_abbrev=False, prog="moepar train", formatter_class=argparse.RawDescriptionHelpFormatter,
         description="Train a model from a TOML config; any config key can be overridden as "
                     "--section.key=value (or --section.key value), after CONFIG.",
         epilog="config keys (section.key = default  # meaning):\n" + config_reference())
@@ -108,7 +114,8 @@ def launch(nproc: int, argv: list[str], run_dir: str | None = None,
     from torch.distributed.run import get_args_parser, run
     one_node = launcher is None or "--standalone" in launcher
     launcher = launcher or ["--standalone", f"--nproc_per_node={nproc}"]
-    os.environ.setdefault(*FRESH_STORE_ENV)
+    if restarts(launcher):
+        os.environ.setdefault(*FRESH_STORE_ENV)
     args = get_args_parser().parse_args([*launcher, "--module", "moepar"])
     args.training_script_args = list(argv)
     from moepar.rundir import LAUNCHER_ENV
@@ -323,8 +330,8 @@ def main(argv: list[str]) -> int:
         import shlex
         worker = [a for i, a in enumerate(argv) if not a.startswith("--nproc=") and
                   a != "--nproc" and (i == 0 or argv[i - 1] != "--nproc")]
-        print(shlex.join([f"{FRESH_STORE_ENV[0]}={FRESH_STORE_ENV[1]}", "torchrun", *launcher,
-                          "-m", "moepar", "train", *worker]))
+        env = [f"{FRESH_STORE_ENV[0]}={FRESH_STORE_ENV[1]}"] if restarts(launcher) else []
+        print(shlex.join([*env, "torchrun", *launcher, "-m", "moepar", "train", *worker]))
         return 0
     if not under_launcher and (args.nproc > 1 or flags):
         lock = None

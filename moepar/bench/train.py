@@ -49,7 +49,7 @@ def bench_train(cfg, steps: int = 10, warmup: int = 2, peak_tflops: float | None
     with tempfile.TemporaryDirectory() as tmp:
         cfg.run.dir, cfg.run.tensorboard, cfg.run.log_every = tmp, False, 0
         cfg.train.steps = warmup + steps
-        trainer = Trainer(cfg, log=lambda _m: None)
+        trainer = Trainer(cfg, log=lambda _m: None, shared_run_dir=False)  # a scratch dir
         device = trainer.device
         times = []
         tick = Ticker("train", warmup, steps)

@@ -331,26 +331,41 @@ def _copy_tokenizer_files(src: str, dst: str) -> list[str]:
     return found
 
 
-def _export_tokenizer(src: str, data: dict | None, dst: str) -> str:
+def _export_tokenizer(src: str, state: dict, dst: str) -> str:
     """The tokenizer beside an exported model, so transformers' AutoTokenizer finds it: the files
     beside the checkpoint (a converted model), else the tokenizer.json of the prepared folder
-    the run trained on. Returns a line saying what was done."""
+    the run trained on, when its SHA-256 is the one the checkpoint recorded. Returns a line
+    saying what was done; a tokenizer it cannot vouch for is left out with a note, never a
+    failed export."""
+    import hashlib
     copied = _copy_tokenizer_files(src, dst)
     if copied:
         return f"tokenizer: copied {', '.join(copied)} from {src}"
-    data = data or {}
+    data = (state.get("config") or {}).get("data")
+    if data is None:
+        return ("no tokenizer written: there are no tokenizer files beside the checkpoint, and "
+                "it records no training data")
     if data.get("source") != "tokens":
         return ("no tokenizer written: the model trained on bytes (data.source="
                 f"{data.get('source', 'builtin')!r}), which no Hugging Face tokenizer file says")
-    from moepar.data.folder import PreparedFolder, is_prepared
     from moepar.data.tokenizer import BYTE_TOKENIZER_SHA256
     path = data.get("path") or (data.get("paths") or [""])[0]
-    if not is_prepared(path):
-        return (f"no tokenizer written: the run's data.path={path!r} is not (or no longer) a "
-                "prepared folder; copy its tokenizer.json beside the model yourself")
-    if PreparedFolder(path, "data.path").tokenizer_sha256 == BYTE_TOKENIZER_SHA256:
+    sources = (state.get("dataset") or {}).get("sources") or [{}]
+    trained = sources[0].get("tokenizer_sha256")
+    if trained == BYTE_TOKENIZER_SHA256:
         return "no tokenizer written: the model trained on bytes (prepared with --tokenizer bytes)"
-    shutil.copyfile(os.path.join(path, "tokenizer.json"), os.path.join(dst, "tokenizer.json"))
+    file = os.path.join(path, "tokenizer.json")
+    try:
+        with open(file, "rb") as f:
+            found = hashlib.file_digest(f, "sha256").hexdigest()
+    except OSError as e:
+        return (f"no tokenizer written: the run's data.path={path!r} has no readable "
+                f"tokenizer.json ({e.strerror}); copy the tokenizer beside the model yourself")
+    if trained is None or found != trained:
+        return (f"no tokenizer written: {file} is not the tokenizer the checkpoint recorded "
+                f"(sha256 {found[:12]}..., trained with {str(trained)[:12]}...); copy the "
+                "right one beside the model yourself")
+    shutil.copyfile(file, os.path.join(dst, "tokenizer.json"))
     return f"tokenizer: copied tokenizer.json from the prepared folder {path}"
 
 
@@ -366,8 +381,8 @@ def moepar_to_hf(src: str, dst: str, arch_name: str | None = None,
     verify_checkpoint(src)
     try:
         with open(os.path.join(src, "state.json")) as f:
-            config = json.load(f)["config"]
-        data_cfg = config.get("data")
+            state = json.load(f)
+        config = state["config"]
         model_cfg, router_cfg = ModelConfig(**config["model"]), RouterConfig(**config["router"])
     except (KeyError, TypeError, ValueError) as e:
         raise ConversionError(f"{src!r}: state.json holds no usable model config ({e})") from None
@@ -407,7 +422,7 @@ def moepar_to_hf(src: str, dst: str, arch_name: str | None = None,
                       indent=2)
         with open(os.path.join(tmp, "config.json"), "w") as f:
             json.dump(source_cfg, f, indent=2)
-        log(_export_tokenizer(src, data_cfg, tmp))
+        log(_export_tokenizer(src, state, tmp))
         os.rename(tmp, dst)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)     # our own temporary folder, nothing else

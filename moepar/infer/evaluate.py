@@ -67,7 +67,7 @@ _DATA_PARALLEL = ["--parallel.dp=0", "--parallel.tp=1", "--parallel.pp=1", "--pa
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
-        prog="moepar eval", description="Validation loss and perplexity of a checkpoint on the "
+        allow_abbrev=False, prog="moepar eval", description="Validation loss and perplexity of a checkpoint on the "
         "val split of a prepared folder; config keys may be overridden as --section.key=value "
         "(e.g. --train.seq_len=2048 --train.micro_batch_size=4).")
     parser.add_argument("source", help="a run directory (its newest checkpoint) or a checkpoint "

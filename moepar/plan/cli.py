@@ -31,7 +31,7 @@ DEFAULT_IMBALANCE = 1.5
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(
+    p = argparse.ArgumentParser(allow_abbrev=False,
         prog="moepar plan", formatter_class=argparse.RawDescriptionHelpFormatter,
         description="Rank every valid layout (pp, dp, tp, ep, ZeRO, micro-batch, recompute) of "
                     "MODEL on --gpus GPUs by estimated step time, with memory per GPU.",

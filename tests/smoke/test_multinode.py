@@ -51,6 +51,18 @@ def start(*args, log: pathlib.Path) -> subprocess.Popen:
                             start_new_session=True)
 
 
+def wait_for_store(port: int, launcher: subprocess.Popen, timeout: float = 120):
+    """Until the first launcher's agent listens on the rendezvous port (it hosts the store)."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline and launcher.poll() is None:
+        try:
+            socket.create_connection(("127.0.0.1", port), timeout=1).close()
+            return
+        except OSError:
+            time.sleep(0.1)
+    raise AssertionError(f"no rendezvous store on port {port} (launcher exit {launcher.poll()})")
+
+
 def losses(run_dir) -> dict[int, float]:
     lines = (pathlib.Path(run_dir) / "metrics.jsonl").read_text().splitlines()
     return {r["step"]: r["loss"] for r in map(json.loads, lines)}
@@ -95,7 +107,7 @@ def test_elastic_job_loses_a_node_and_finishes_at_the_smaller_world(tmp_path):
               "--rdzv-conf", "last_call_timeout=3,keep_alive_interval=1,keep_alive_max_attempt=2",
               "--run.resume=auto", f"--run.dir={run_dir}"]
     node_a = start(*common, log=tmp_path / "a.log")
-    time.sleep(1.0)                  # node A hosts the rendezvous store (the first to bind)
+    wait_for_store(port, node_a)     # node A hosts the rendezvous store: B is the one lost
     node_b = start(*common, log=tmp_path / "b.log")
     try:
         first = run_dir / "checkpoints" / "step_4" / "manifest.json"

@@ -33,8 +33,33 @@ def torch_reads(command: str):
     """The printed `torchrun ...` command, parsed by torch's own launcher parser."""
     from torch.distributed.run import get_args_parser
     words = shlex.split(command)
-    assert words[:2] == ["TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1", "torchrun"], words[:2]
-    return get_args_parser().parse_args(words[2:])
+    if words[0] == "TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1":    # a job that can restart
+        words = words[1:]
+    assert words[0] == "torchrun", words
+    return get_args_parser().parse_args(words[1:])
+
+
+def test_restarting_jobs_get_a_fresh_rendezvous_store(tmp_path, capsys):
+    config = tmp_path / "run.toml"
+    config.write_text(to_toml(tiny_config(tmp_path / "run")))
+    common = [str(config), "--nproc", "1", "--nnodes", "1:2", "--rdzv-endpoint", "h:1",
+              "--print-launch"]
+    for extra, fresh in (([], False), (["--max-restarts", "0"], False),
+                         (["--max-restarts", "2"], True)):
+        assert launch.main([*common, *extra]) == 0
+        out = capsys.readouterr().out
+        assert out.startswith("TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 torchrun") == fresh, out
+        torch_reads(out)
+
+
+def test_abbreviated_launcher_flags_are_refused(tmp_path, capsys):
+    """argparse would take --max-restart for --max-restarts' unused twin and start a plain run."""
+    config = tmp_path / "run.toml"
+    config.write_text(to_toml(tiny_config(tmp_path / "run")))
+    for flag in ("--max-restart", "--print-launc", "--nnode"):
+        assert launch.main([str(config), flag, "2"]) == launch.EXIT_REFUSED
+        assert flag in capsys.readouterr().err
+    assert not (tmp_path / "run").exists()
 
 
 # ---- the launcher's arguments ------------------------------------------------------------------

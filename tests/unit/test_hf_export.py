@@ -177,8 +177,8 @@ def test_import_refusals_name_what_config_json_has(change, message, tmp_path):
 
 
 def test_export_carries_the_tokenizer(tmp_path):
-    """HF -> moepar -> HF keeps the tokenizer files (AutoTokenizer loads the exported folder
-    and encodes as the original); a model trained on bytes says that no tokenizer is written."""
+    """HF -> moepar -> HF keeps the tokenizer files (the exported tokenizer.json encodes as the
+    original); a converted model without one says that no tokenizer is written."""
     from moepar.hf import hf_to_moepar
     from test_data_prepare import word_tokenizer
     from test_hf import hf_model
@@ -201,5 +201,35 @@ def test_export_carries_the_tokenizer(tmp_path):
     lines.clear()
     moepar_to_hf(str(tmp_path / "mp2"), str(tmp_path / "bare"), log=lines.append)
     assert not (tmp_path / "bare" / "tokenizer.json").exists()
-    assert any(line.startswith("no tokenizer written: the model trained on bytes")
-               for line in lines), lines
+    assert ("no tokenizer written: there are no tokenizer files beside the checkpoint, and it "
+            "records no training data") in lines
+
+
+def test_export_takes_the_prepared_folders_tokenizer_only_if_it_is_the_trained_one(tmp_path):
+    """A run on a prepared folder: its tokenizer.json goes beside the export when its SHA-256 is
+    the one the checkpoint recorded; a folder re-prepared with another tokenizer since, or one
+    that is gone, gives a note and the export still succeeds."""
+    import hashlib
+    from moepar.hf.convert import _export_tokenizer
+    from test_data_prepare import word_tokenizer
+    folder = tmp_path / "data"
+    folder.mkdir()
+    tok = pathlib.Path(word_tokenizer(tmp_path / "tok"))
+    (folder / "tokenizer.json").write_bytes(tok.read_bytes())
+    digest = hashlib.sha256(tok.read_bytes()).hexdigest()
+    state = {"config": {"data": {"source": "tokens", "path": str(folder)}},
+             "dataset": {"sources": [{"kind": "folder", "tokenizer_sha256": digest}]}}
+    src, out = tmp_path / "ckpt", tmp_path / "out"
+    src.mkdir()
+    out.mkdir()
+    line = _export_tokenizer(str(src), state, str(out))
+    assert line == f"tokenizer: copied tokenizer.json from the prepared folder {folder}"
+    assert (out / "tokenizer.json").read_bytes() == tok.read_bytes()
+    (out / "tokenizer.json").unlink()
+    (folder / "tokenizer.json").write_text("{}")          # re-prepared with another tokenizer
+    line = _export_tokenizer(str(src), state, str(out))
+    assert line.startswith(f"no tokenizer written: {folder / 'tokenizer.json'} is not the "
+                           "tokenizer the checkpoint recorded")
+    (folder / "tokenizer.json").unlink()
+    assert "has no readable tokenizer.json" in _export_tokenizer(str(src), state, str(out))
+    assert not (out / "tokenizer.json").exists()
