@@ -1,6 +1,6 @@
-"""Expert-parallel dispatchers on NCCL (two GPUs; skipped otherwise): every dispatcher's round
-trip, with a rank that sends nothing and a rank that receives nothing, against the combine
-computed by hand (as tests/dist/test_ep.py checks on gloo)."""
+"""Two GPUs on NCCL (skipped otherwise): every expert-parallel dispatcher's round trip, with a
+rank that sends nothing and a rank that receives nothing, against the combine computed by hand
+(as tests/dist/test_ep.py checks on gloo); a ZeRO-3 save holds one box at a time in GPU memory."""
 
 import os
 import socket
@@ -88,3 +88,38 @@ def _free_port() -> int:
 def test_dispatcher_round_trip_on_nccl(dispatcher, dedup, scenario):
     import torch.multiprocessing as mp
     mp.spawn(_round_trip, args=(_free_port(), dispatcher, dedup, scenario), nprocs=2, join=True)
+
+
+def _zero3_checkpoint_memory(rank: int, port: int, run_dir: str):
+    """ZeRO-3 on NCCL: a save holds at most one box over the rank's memory at a time (the
+    FSDP shards are written as they are, never gathered)."""
+    import torch.distributed as dist
+
+    from configs import tiny_config
+    from moepar.train import Trainer
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
+                      WORLD_SIZE="2", LOCAL_RANK=str(rank))
+    trainer = Trainer(tiny_config(run_dir, "--train.device=cuda", "--parallel.zero=3",
+                                  "--train.global_batch_size=8", "--model.dim=256",
+                                  "--model.moe_ffn_dim=1024", "--model.num_experts=16",
+                                  "--train.steps=1"), log=lambda _m: None)
+    try:
+        trainer.train_step()
+        largest = max(seg.canon.numel * lt.tensor.element_size()
+                      for lt in trainer.engine.model_shards() for seg in lt.segments)
+        torch.cuda.synchronize()
+        before = torch.cuda.memory_allocated()
+        torch.cuda.reset_peak_memory_stats()
+        trainer.save()
+        grown = torch.cuda.max_memory_allocated() - before
+        assert grown <= largest + (1 << 20), (rank, grown, largest)
+        dist.barrier()
+    finally:
+        trainer.release()
+        dist.destroy_process_group()
+
+
+def test_zero3_checkpoint_holds_one_box_at_a_time_in_gpu_memory(tmp_path):
+    import torch.multiprocessing as mp
+    mp.spawn(_zero3_checkpoint_memory, args=(_free_port(), str(tmp_path / "run")), nprocs=2,
+             join=True)
