@@ -27,7 +27,7 @@ __all__ = ["RunDirError", "RunLock", "LOCK_FILE", "LAUNCHER_ENV", "previous_run_
 
 LOCK_FILE = "run.lock"
 LAUNCHER_ENV = "MOEPAR_RUN_LOCK_PID"     # set by `moepar train --nproc`: the launcher holds it
-RUN_FILES = ("config.toml", "metrics.jsonl", "tb", "checkpoints")
+RUN_FILES = ("config.toml", "metrics.jsonl", "expert_load.jsonl", "tb", "checkpoints")
 
 
 class RunDirError(ValueError):
@@ -104,7 +104,7 @@ def launcher_holds_lock(env=None) -> bool:
 
 def previous_run_files(run_dir: str, ignore: str | None = None) -> list[str]:
     """The files of a previous run in run_dir: config.toml (unless it is `ignore`, the input
-    config), metrics.jsonl, tb/, checkpoints/ (when it holds anything)."""
+    config), metrics.jsonl, expert_load.jsonl, tb/, checkpoints/ (when it holds anything)."""
     found = []
     for name in RUN_FILES:
         path = os.path.join(run_dir, name)

@@ -276,3 +276,13 @@ def test_pruning_deletes_outside_the_step(tmp_path, monkeypatch):
     assert os.listdir(tmp_path / "checkpoints") == ["step_3"]    # deletions done when run ends
     assert sorted(name.split("-")[1] for name, _ in deleted_by) == ["step_1", "step_2"]
     assert all(thread != "MainThread" for _, thread in deleted_by), deleted_by
+
+
+def test_a_fresh_start_keeps_a_previous_runs_expert_load(tmp_path):
+    """expert_load.jsonl is a previous run's file too: a plain start over it is refused and
+    leaves it byte for byte (a start would truncate it)."""
+    (tmp_path / "expert_load.jsonl").write_text('{"header": 1}\n{"step": 1}\n')
+    with pytest.raises(RunDirError, match=r"already holds a previous run's files "
+                                          r"\(expert_load.jsonl\)"):
+        Trainer(tiny_config(tmp_path, "--train.steps=1"), log=quiet)
+    assert (tmp_path / "expert_load.jsonl").read_text() == '{"header": 1}\n{"step": 1}\n'
