@@ -33,3 +33,18 @@ def token_batches(m: int, seed: int = 1):
     inputs = [torch.randint(0, 64, (2, 8), generator=gen) for _ in range(m)]
     targets = [torch.randint(0, 64, (2, 8), generator=gen) for _ in range(m)]
     return inputs, targets
+
+
+def tiny_mixtral(folder, **fields):
+    """A tiny random Mixtral saved by transformers at `folder` (no download), drawn after
+    torch.manual_seed(0); `fields` override its config (vocabulary, layers, EOS, ...). Returns
+    the model, in eval mode."""
+    import transformers
+    config = dict(vocab_size=64, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
+                  num_attention_heads=4, num_key_value_heads=2, num_local_experts=4,
+                  num_experts_per_tok=2, max_position_embeddings=64)
+    config.update(fields)
+    torch.manual_seed(0)
+    model = transformers.MixtralForCausalLM(transformers.MixtralConfig(**config)).eval()
+    model.save_pretrained(folder)
+    return model

@@ -80,20 +80,15 @@ def test_prepare_errors_through_the_cli(tmp_path):
 def test_converted_model_trains_on_its_own_tokenizer(tmp_path):
     """HF folder (weights + tokenizer.json) -> moepar convert -> data prepare with the HF folder's
     tokenizer -> moepar train --run.init_from; and a vocabulary that does not fit is refused."""
-    transformers = pytest.importorskip("transformers")
+    pytest.importorskip("transformers")
     from tokenizers import Tokenizer, models, pre_tokenizers, trainers
-    import torch
+
+    from configs import tiny_mixtral
     docs = corpus(tmp_path)
     tok = Tokenizer(models.WordLevel(unk_token="<unk>"))
     tok.pre_tokenizer = pre_tokenizers.Whitespace()
     tok.train_from_iterator(docs, trainers.WordLevelTrainer(special_tokens=["<unk>", "<s>", "</s>"]))
-    torch.manual_seed(0)
-    config = transformers.MixtralConfig(vocab_size=32, hidden_size=32, intermediate_size=48,
-                                        num_hidden_layers=2, num_attention_heads=4,
-                                        num_key_value_heads=2, num_local_experts=4,
-                                        num_experts_per_tok=2, max_position_embeddings=64,
-                                        eos_token_id=2)
-    transformers.MixtralForCausalLM(config).save_pretrained(tmp_path / "hf")
+    tiny_mixtral(tmp_path / "hf", vocab_size=32, eos_token_id=2)
     tok.save(str(tmp_path / "hf" / "tokenizer.json"))
     (tmp_path / "hf" / "tokenizer_config.json").write_text(json.dumps({"eos_token": "</s>"}))
     train = ("train", str(tmp_path / "mp" / "config.toml"), f"--run.init_from={tmp_path / 'mp'}",

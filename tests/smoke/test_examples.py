@@ -168,14 +168,9 @@ def test_hf_convert_train_export_through_the_cli(tmp_path):
     """The README's conversion flow with the real commands: HF -> moepar -> moepar train -> HF."""
     transformers = pytest.importorskip("transformers")
     import numpy as np
-    import torch
-    torch.manual_seed(0)
-    config = transformers.MixtralConfig(vocab_size=64, hidden_size=32, intermediate_size=48,
-                                        num_hidden_layers=2, num_attention_heads=4,
-                                        num_key_value_heads=2, num_local_experts=4,
-                                        num_experts_per_tok=2, max_position_embeddings=64,
-                                        initializer_range=0.1)
-    transformers.MixtralForCausalLM(config).save_pretrained(tmp_path / "hf")
+
+    from configs import tiny_mixtral
+    tiny_mixtral(tmp_path / "hf", initializer_range=0.1)
     np.save(tmp_path / "tokens.npy", np.random.default_rng(0).integers(0, 64, 4000).astype(np.uint16))
     steps = [
         ("convert", "--from", "hf", str(tmp_path / "hf"), "--to", "moepar", str(tmp_path / "mp")),

@@ -25,22 +25,16 @@ def ok(*args) -> str:
 
 def hf_folder(path: pathlib.Path):
     """A tiny random Mixtral with a word-level tokenizer (EOS </s> = 2); returns both."""
-    transformers = pytest.importorskip("transformers")
-    import torch
+    pytest.importorskip("transformers")
     from tokenizers import Tokenizer, models, pre_tokenizers, trainers
+
+    from configs import tiny_mixtral
     words = "the cat sat on a mat and dog ran far away from home with one red ball".split()
     tok = Tokenizer(models.WordLevel(unk_token="<unk>"))
     tok.pre_tokenizer = pre_tokenizers.Whitespace()
     tok.train_from_iterator(words, trainers.WordLevelTrainer(special_tokens=["<unk>", "<s>",
                                                                              "</s>"]))
-    torch.manual_seed(0)
-    config = transformers.MixtralConfig(vocab_size=32, hidden_size=32, intermediate_size=48,
-                                        num_hidden_layers=2, num_attention_heads=4,
-                                        num_key_value_heads=2, num_local_experts=4,
-                                        num_experts_per_tok=2, max_position_embeddings=64,
-                                        eos_token_id=2, initializer_range=0.1)
-    model = transformers.MixtralForCausalLM(config).eval()
-    model.save_pretrained(path)
+    model = tiny_mixtral(path, vocab_size=32, eos_token_id=2, initializer_range=0.1)
     tok.save(str(path / "tokenizer.json"))
     (path / "tokenizer_config.json").write_text(json.dumps({"eos_token": "</s>"}))
     return model, tok, words

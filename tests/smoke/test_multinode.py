@@ -14,11 +14,8 @@ import subprocess
 import sys
 import time
 
+from configs import tiny_config
 from moepar.config import load_config, to_toml
-
-ROOT = pathlib.Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(ROOT / "tests"))
-from configs import tiny_config  # noqa: E402
 
 
 def free_port() -> int:

@@ -12,12 +12,12 @@ import numpy as np
 import pytest
 import torch
 
-from configs import tiny_config
+from configs import tiny_config, tiny_mixtral
 from moepar.checkpoint import CheckpointError, load_checkpoint
 from moepar.tensorfile import file_digest, write_tensors
 from moepar.train import Trainer
 
-transformers = pytest.importorskip("transformers")
+pytest.importorskip("transformers")
 
 from moepar.hf import ConversionError, from_hf, hf_to_moepar  # noqa: E402
 
@@ -136,13 +136,8 @@ def test_index_pieces_that_do_not_tile_are_refused(saved, tmp_path):
 def mixtral(tmp_path_factory):
     """A tiny random Mixtral saved by transformers (no download), split in two shards."""
     from safetensors.torch import load_file, save_file
-    torch.manual_seed(0)
-    config = transformers.MixtralConfig(vocab_size=64, hidden_size=32, num_hidden_layers=2,
-                                        num_attention_heads=4, num_key_value_heads=2,
-                                        intermediate_size=48, num_local_experts=4,
-                                        num_experts_per_tok=2, max_position_embeddings=64)
     path = tmp_path_factory.mktemp("hf") / "mixtral"
-    transformers.MixtralForCausalLM(config).save_pretrained(path)
+    tiny_mixtral(path)
     tensors = load_file(path / "model.safetensors")
     os.remove(path / "model.safetensors")
     names = sorted(tensors)

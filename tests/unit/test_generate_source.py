@@ -9,7 +9,7 @@ import pytest
 import torch
 
 import moepar
-from configs import tiny_config
+from configs import tiny_config, tiny_mixtral
 from moepar.data.prepare import PrepareOptions, prepare
 from moepar.infer.source import SourceError, load_tokenizer, resolve_source
 from moepar.train import Trainer
@@ -84,13 +84,8 @@ def test_tokenizers_follow_the_training_data(tmp_path):
 
 
 def test_hf_folder_tokenizer_and_eos(tmp_path):
-    transformers = pytest.importorskip("transformers")
-    torch.manual_seed(0)
-    config = transformers.MixtralConfig(vocab_size=16, hidden_size=32, intermediate_size=48,
-                                        num_hidden_layers=1, num_attention_heads=4,
-                                        num_key_value_heads=2, num_local_experts=4,
-                                        num_experts_per_tok=2, eos_token_id=2)
-    transformers.MixtralForCausalLM(config).save_pretrained(tmp_path / "hf")
+    pytest.importorskip("transformers")
+    tiny_mixtral(tmp_path / "hf", vocab_size=16, num_hidden_layers=1, eos_token_id=2)
     lm = moepar.from_hf(str(tmp_path / "hf"))
     assert lm.tokenizer is None and "no tokenizer.json" in lm._tokenizer_error
     word_tokenizer(tmp_path / "hf")
