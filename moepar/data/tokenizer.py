@@ -17,7 +17,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-__all__ = ["TokenizerSpec", "resolve_tokenizer", "load_encoder", "BYTES", "BYTE_EOS_ID"]
+__all__ = ["TokenizerSpec", "resolve_tokenizer", "load_encoder", "BYTES", "BYTE_EOS_ID", "file_sha256"]
 
 BYTES = "bytes"
 # Bytes 0xF5..0xFF never occur in UTF-8, so 0xFF can end documents while the vocabulary stays 256.
@@ -44,7 +44,8 @@ class TokenizerSpec:
         return "uint16" if self.vocab_size <= 1 << 16 else "uint32"
 
 
-def _file_sha256(path: str) -> str:
+def file_sha256(path: str) -> str:
+    """The SHA-256 of a file, hex (how a tokenizer is identified in indexes and checkpoints)."""
     with open(path, "rb") as f:
         return hashlib.file_digest(f, "sha256").hexdigest()
 
@@ -142,7 +143,7 @@ def resolve_tokenizer(name: str, eos_token: str | None = None) -> TokenizerSpec:
             raise ValueError(f"{path}: no EOS token found (not in tokenizer_config.json, "
                              f"config.json, the post-processor, nor among the special tokens "
                              f"{', '.join(KNOWN_EOS[:3])}, ...); pass --eos-token TOKEN")
-    return TokenizerSpec("tokenizer.json", os.path.abspath(path), _file_sha256(path), vocab_size,
+    return TokenizerSpec("tokenizer.json", os.path.abspath(path), file_sha256(path), vocab_size,
                          eos_id, eos_token, found)
 
 

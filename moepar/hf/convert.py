@@ -337,7 +337,6 @@ def _export_tokenizer(src: str, state: dict, dst: str) -> str:
     the run trained on, when its SHA-256 is the one the checkpoint recorded. Returns a line
     saying what was done; a tokenizer it cannot vouch for is left out with a note, never a
     failed export."""
-    import hashlib
     copied = _copy_tokenizer_files(src, dst)
     if copied:
         return f"tokenizer: copied {', '.join(copied)} from {src}"
@@ -348,7 +347,7 @@ def _export_tokenizer(src: str, state: dict, dst: str) -> str:
     if data.get("source") != "tokens":
         return ("no tokenizer written: the model trained on bytes (data.source="
                 f"{data.get('source', 'builtin')!r}), which no Hugging Face tokenizer file says")
-    from moepar.data.tokenizer import BYTE_TOKENIZER_SHA256
+    from moepar.data.tokenizer import BYTE_TOKENIZER_SHA256, file_sha256
     path = data.get("path") or (data.get("paths") or [""])[0]
     sources = (state.get("dataset") or {}).get("sources") or [{}]
     trained = sources[0].get("tokenizer_sha256")
@@ -356,8 +355,7 @@ def _export_tokenizer(src: str, state: dict, dst: str) -> str:
         return "no tokenizer written: the model trained on bytes (prepared with --tokenizer bytes)"
     file = os.path.join(path, "tokenizer.json")
     try:
-        with open(file, "rb") as f:
-            found = hashlib.file_digest(f, "sha256").hexdigest()
+        found = file_sha256(file)
     except OSError as e:
         return (f"no tokenizer written: the run's data.path={path!r} has no readable "
                 f"tokenizer.json ({e.strerror}); copy the tokenizer beside the model yourself")
