@@ -14,6 +14,7 @@ import sys
 import pytest
 
 from configs import tiny_config
+from test_faults_run import config_file
 from moepar import launch
 from moepar.checkpoint import complete_steps
 from moepar.cluster import launcher_argv, node_counts, pop_multinode
@@ -40,8 +41,7 @@ def torch_reads(command: str):
 
 
 def test_restarting_jobs_get_a_fresh_rendezvous_store(tmp_path, capsys):
-    config = tmp_path / "run.toml"
-    config.write_text(to_toml(tiny_config(tmp_path / "run")))
+    config = config_file(tmp_path, tmp_path / "run")
     common = [str(config), "--nproc", "1", "--nnodes", "1:2", "--rdzv-endpoint", "h:1",
               "--print-launch"]
     for extra, fresh in (([], False), (["--max-restarts", "0"], False),
@@ -54,8 +54,7 @@ def test_restarting_jobs_get_a_fresh_rendezvous_store(tmp_path, capsys):
 
 def test_abbreviated_launcher_flags_are_refused(tmp_path, capsys):
     """argparse would take --max-restart for --max-restarts' unused twin and start a plain run."""
-    config = tmp_path / "run.toml"
-    config.write_text(to_toml(tiny_config(tmp_path / "run")))
+    config = config_file(tmp_path, tmp_path / "run")
     for flag in ("--max-restart", "--print-launc", "--nnode"):
         assert launch.main([str(config), flag, "2"]) == launch.EXIT_REFUSED
         assert flag in capsys.readouterr().err
@@ -106,8 +105,7 @@ def test_bad_launcher_flags_are_named(flags, message):
 
 
 def test_print_launch_is_a_command_torch_reads(tmp_path, capsys):
-    config = tmp_path / "run.toml"
-    config.write_text(to_toml(tiny_config(tmp_path / "run", "--train.global_batch_size=8")))
+    config = config_file(tmp_path, tmp_path / "run", "--train.global_batch_size=8")
     code = launch.main([str(config), "--nproc", "2", "--nnodes", "2", "--node-rank", "1",
                         "--rdzv-endpoint", "10.0.0.1:29400", "--train.steps=3", "--print-launch"])
     assert code == 0
@@ -122,8 +120,7 @@ def test_print_launch_is_a_command_torch_reads(tmp_path, capsys):
 def test_layout_is_checked_at_every_node_count(tmp_path, capsys):
     """global batch 4 in micro-batches of 2: dp 1 and 2 fit, dp 3 does not; the error names the
     node count, before anything starts."""
-    config = tmp_path / "run.toml"
-    config.write_text(to_toml(tiny_config(tmp_path / "run")))
+    config = config_file(tmp_path, tmp_path / "run")
     common = [str(config), "--nproc", "1", "--rdzv-endpoint", "127.0.0.1:1", "--print-launch"]
     assert launch.main([*common, "--nnodes", "1:2"]) == 0
     capsys.readouterr()
@@ -134,8 +131,7 @@ def test_layout_is_checked_at_every_node_count(tmp_path, capsys):
 
 
 def test_launcher_flags_under_torchrun_are_refused(tmp_path, monkeypatch, capsys):
-    config = tmp_path / "run.toml"
-    config.write_text(to_toml(tiny_config(tmp_path / "run")))
+    config = config_file(tmp_path, tmp_path / "run")
     monkeypatch.setenv("WORLD_SIZE", "1")
     monkeypatch.setenv("RANK", "0")
     assert launch.main([str(config), "--nnodes", "2", "--rdzv-endpoint", "h:1"]) == 2
