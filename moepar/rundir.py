@@ -154,8 +154,9 @@ def plan_start(run, ckpt_root: str, config_path: str | None = None,
         path = latest_checkpoint(ckpt_root)
         if path is not None:
             return path, []
-        if not run.overwrite and previous_run_files(run.dir, ignore=config_path):
-            _same_run_or_refuse(run.dir, current)
+        found = previous_run_files(run.dir, ignore=config_path)
+        if found and not run.overwrite:
+            _same_run_or_refuse(run.dir, current, ", ".join(found))
         return None, existing
     if run.resume:
         path = latest_checkpoint(ckpt_root)
@@ -176,13 +177,12 @@ def plan_start(run, ckpt_root: str, config_path: str | None = None,
     return None, existing
 
 
-def _same_run_or_refuse(run_dir: str, current: dict | None):
+def _same_run_or_refuse(run_dir: str, current: dict | None, found: str):
     """run.resume="auto" found a previous start's files but no checkpoint (an elastic restart
     before the first save): starting over is that run's own restart when its config.toml is this
     config (up to what a resume may change); anything else is another run, refused."""
     from moepar.config import load_config, to_dict
     saved_path = os.path.join(run_dir, "config.toml")
-    found = ", ".join(previous_run_files(run_dir))
     try:
         if not os.path.isfile(saved_path):
             raise ValueError("there is none")
