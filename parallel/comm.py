@@ -82,9 +82,16 @@ def all_to_all(x, out_splits: list[int], in_splits: list[int], group, timer=None
 
 class A2ATimer:
     """Wall clock of a dispatcher's all-to-alls, forward and backward, for benchmarks (off unless
-    one is set on the dispatcher). `total`: the time at least one all-to-all was in flight (the
-    union of issue-to-completion intervals, so queued chunks are not counted twice); `exposed`:
-    the host's time issuing and blocked waiting, the part the overlap did not hide."""
+    one is set on the dispatcher). Every all-to-all gets an index in issue order, the same on
+    every rank (collectives are issued in one order everywhere).
+
+    `total`: the time at least one all-to-all was in flight (the union of issue-to-completion
+    intervals, so queued chunks are not counted twice); `exposed`: the host's time issuing and
+    blocked waiting, the part the overlap did not hide. A wait also covers the time until the
+    last rank issues the same all-to-all (a peer still computing: expert load imbalance), so
+    `split(last_issue)`, given the latest issue time of each all-to-all over the ranks (one host,
+    one clock: the local benchmarks), parts `exposed` into that `peer_wait` and `comm` (the
+    rest), and gives `on_wire`: the union of last-issue-to-completion intervals."""
 
     def __init__(self):
         self._lock = threading.Lock()
@@ -92,39 +99,72 @@ class A2ATimer:
 
     def reset(self):
         with self._lock:
-            self.intervals: list[tuple[float, float]] = []
-            self.exposed = 0.0
+            self.issue_times: list[float] = []     # per all-to-all, in issue order
+            self.done_times: dict[int, float] = {}
+            self.waits: list[tuple[int, float, float]] = []   # (index, blocked from, to)
+            self.issuing = 0.0
+
+    def _issue(self, started: float) -> int:
+        self.issue_times.append(started)
+        return len(self.issue_times) - 1
+
+    @staticmethod
+    def _union(spans) -> float:
+        covered, end = 0.0, float("-inf")
+        for lo, hi in sorted(spans):
+            covered += max(0.0, hi - max(lo, end))
+            end = max(end, hi)
+        return covered
 
     @property
     def total(self) -> float:
         with self._lock:
-            spans = sorted(self.intervals)
-        covered, end = 0.0, float("-inf")
-        for lo, hi in spans:
-            covered += max(0.0, hi - max(lo, end))
-            end = max(end, hi)
-        return covered
+            return self._union((self.issue_times[i], done) for i, done in self.done_times.items())
+
+    @property
+    def exposed(self) -> float:
+        with self._lock:
+            return self.issuing + sum(hi - lo for _, lo, hi in self.waits)
+
+    def split(self, last_issue: list[float]) -> dict:
+        """{'peer_wait', 'comm', 'on_wire'} in seconds; `last_issue[i]`: the latest time any rank
+        issued all-to-all i (see the class docstring)."""
+        with self._lock:
+            if len(last_issue) != len(self.issue_times):
+                raise ValueError(f"{len(last_issue)} issue times for {len(self.issue_times)} "
+                                 "all-to-alls: the ranks issued different collectives")
+            peer = sum(max(0.0, min(hi, last_issue[i]) - lo) for i, lo, hi in self.waits)
+            blocked = sum(hi - lo for _, lo, hi in self.waits)
+            on_wire = self._union((last_issue[i], max(done, last_issue[i]))
+                                  for i, done in self.done_times.items())
+            return {"peer_wait": peer, "comm": self.issuing + blocked - peer, "on_wire": on_wire}
 
     def blocking(self, started: float):
         """A synchronous collective that began at `started` and has just ended: all exposed."""
         now = time.perf_counter()
         with self._lock:
-            self.intervals.append((started, now))
-            self.exposed += now - started
+            index = self._issue(started)
+            self.done_times[index] = now
+            self.waits.append((index, started, now))
 
-    def issued(self, work, started: float):
-        work.get_future().add_done_callback(lambda _: self._completed(started))
+    def issued(self, work, started: float) -> int:
+        """An asynchronous one, issued from `started` until now; returns its index for `waited`."""
         with self._lock:
-            self.exposed += time.perf_counter() - started
+            index = self._issue(started)
+            self.issuing += time.perf_counter() - started
+        work.get_future().add_done_callback(lambda _: self._completed(index))
+        return index
 
-    def waited(self, seconds: float):
+    def waited(self, index: int, started: float):
+        """The host blocked on all-to-all `index` from `started` until now."""
+        now = time.perf_counter()
         with self._lock:
-            self.exposed += seconds
+            self.waits.append((index, started, now))
 
-    def _completed(self, started: float):
+    def _completed(self, index: int):
         now = time.perf_counter()
         with self._lock:   # runs on the communication thread
-            self.intervals.append((started, now))
+            self.done_times[index] = now
 
 
 class _Flight:
@@ -140,15 +180,15 @@ class _Flight:
         recv = x.new_empty((sum(out_splits),) + tuple(x.shape[1:]))
         work = dist.all_to_all_single(recv, x.contiguous(), out_splits, in_splits,
                                       group=self.group, async_op=True)
-        if self.timer is not None:
-            self.timer.issued(work, started)
-        return recv, work
+        index = self.timer.issued(work, started) if self.timer is not None else None
+        return recv, (work, index)
 
-    def _wait(self, work):
+    def _wait(self, flight):
+        work, index = flight
         started = time.perf_counter()
         work.wait()
         if self.timer is not None:
-            self.timer.waited(time.perf_counter() - started)
+            self.timer.waited(index, started)
 
     def start(self, x):
         self.recv, self.work = self._send(x, self.out_splits, self.in_splits)

@@ -92,13 +92,24 @@ def _moe(args, dtype, rank, dims, meshes, dispatcher="alltoall", dedup=False):
     return moe
 
 
-def _a2a_times(timer) -> tuple[float, float]:
-    """(total, exposed) seconds since the last reset, averaged over the ranks."""
+def _a2a_times(timer) -> dict:
+    """The all-to-all seconds since the last reset, averaged over the ranks: `total`, `exposed`,
+    and exposed parted into `peer_wait` (blocked until the last rank issued: load imbalance)
+    and `comm`, with `on_wire` (from the last issue to completion). The ranks share one host,
+    so their perf_counter clocks agree."""
     dist.barrier()   # every completion callback of this step has run
-    both = torch.tensor([timer.total, timer.exposed], dtype=torch.float64)
-    dist.all_reduce(both)
+    issues = [None] * dist.get_world_size()
+    dist.all_gather_object(issues, timer.issue_times)
+    if len({len(i) for i in issues}) != 1:
+        raise RuntimeError(f"the ranks issued different numbers of all-to-alls: "
+                           f"{[len(i) for i in issues]}")
+    split = timer.split([max(times) for times in zip(*issues)])
+    names = ("total", "exposed", "peer_wait", "comm", "on_wire")
+    values = torch.tensor([timer.total, timer.exposed, split["peer_wait"], split["comm"],
+                           split["on_wire"]], dtype=torch.float64)
+    dist.all_reduce(values)
     timer.reset()
-    return float(both[0]) / dist.get_world_size(), float(both[1]) / dist.get_world_size()
+    return dict(zip(names, (values / dist.get_world_size()).tolist()))
 
 
 def bench_dispatch(args, dtype) -> dict:
@@ -128,14 +139,14 @@ def bench_dispatch(args, dtype) -> dict:
             with metered_all_to_all(bwd):
                 y.backward(grad)
             elapsed = time.perf_counter() - start
-            total, exposed = _a2a_times(timer) if timer is not None else (0.0, 0.0)
+            a2a = _a2a_times(timer) if timer is not None else dict.fromkeys(("total", "exposed"), 0.0)
             if rep >= args.warmup:
                 times.append(elapsed)
-                shares.append(exposed / elapsed)
+                shares.append(a2a["exposed"] / elapsed)
                 floats.append(fwd.float_bytes)
                 ints.append(fwd.int_bytes)
-                a2a_total.append(total * 1000)
-                a2a_exposed.append(exposed * 1000)
+                a2a_total.append(a2a["total"] * 1000)
+                a2a_exposed.append(a2a["exposed"] * 1000)
             tick(rep + 1)
         # Bytes per token over the whole EP group (every rank's remote traffic, dispatch + combine).
         totals = torch.tensor([statistics.median(floats), statistics.median(ints)], dtype=torch.float64)
@@ -168,7 +179,7 @@ def bench_moe_layer_ep(args, dtype) -> dict:
              "ideal": lambda: ideal(rows).pow(2).mean().backward()}
     leaves = [*moe.parameters(), *ideal.parameters(), *plain.parameters(), x, rows]
     times = {name: [] for name in cases}
-    a2a_total, a2a_exposed = [], []
+    a2a = []
     tick = Ticker("moe-layer", args.warmup, args.repeats)
     for rep in range(args.warmup + args.repeats):
         for name, fn in cases.items():
@@ -180,12 +191,11 @@ def bench_moe_layer_ep(args, dtype) -> dict:
             fn()
             elapsed = torch.tensor(time.perf_counter() - start, dtype=torch.float64)
             dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)   # a step is as slow as its slowest rank
-            total, exposed = _a2a_times(moe.dispatcher.timer)
+            step_a2a = _a2a_times(moe.dispatcher.timer)
             if rep >= args.warmup:
                 times[name].append(float(elapsed) * 1000)
                 if name == "moe":
-                    a2a_total.append(total * 1000)
-                    a2a_exposed.append(exposed * 1000)
+                    a2a.append(step_a2a)
         tick(rep + 1)
     med = {name: statistics.median(ts) for name, ts in times.items()}
     return {"ep": args.ep, "tokens_per_rank": args.tokens, "dim": args.dim, "ffn_dim": args.ffn_dim,
@@ -197,10 +207,10 @@ def bench_moe_layer_ep(args, dtype) -> dict:
             "ratio_vs_ideal": med["moe"] / med["ideal"],
             "paired_ratio_vs_ideal": paired_ratio(times, "moe", "ideal"),
             "a2a_chunks": moe.dispatcher.chunks,
-            "a2a_total_ms": statistics.median(a2a_total),
-            "a2a_exposed_ms": statistics.median(a2a_exposed),
-            "a2a_exposed_share": statistics.median(e / t for e, t in zip(a2a_exposed, a2a_total,
-                                                                          strict=True) if t)}
+            **{f"a2a_{key}_ms": statistics.median(1000 * s[key] for s in a2a)
+               for key in ("total", "exposed", "peer_wait", "comm", "on_wire")},
+            "a2a_exposed_share": statistics.median(s["exposed"] / s["total"] for s in a2a if s["total"]),
+            "a2a_comm_share": statistics.median(s["comm"] / s["on_wire"] for s in a2a if s["on_wire"])}
 
 
 def worker_main(args, dtype) -> dict:

@@ -143,3 +143,7 @@ def print_layer(result: dict, args):
         print(f"  all-to-all {result['a2a_total_ms']:7.1f} ms in flight (fwd+bwd, "
               f"{result['a2a_chunks']} chunk(s)), {result['a2a_exposed_ms']:.1f} ms exposed "
               f"({100 * result['a2a_exposed_share']:.0f}% of total)")
+        print(f"    of which waiting for the last rank to issue (load imbalance) "
+              f"{result['a2a_peer_wait_ms']:.1f} ms; communication {result['a2a_comm_ms']:.1f} ms "
+              f"= {100 * result['a2a_comm_share']:.0f}% of the {result['a2a_on_wire_ms']:.1f} ms "
+              f"on the wire (last issue to completion)")

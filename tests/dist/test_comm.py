@@ -93,7 +93,7 @@ def case_async_all_to_all_equals_blocking():
     assert torch.equal(ya, za) and torch.equal(yb, zb)
     assert torch.equal(a.grad, c.grad) and torch.equal(b.grad, d.grad)
     dist.barrier()
-    assert len(timer.intervals) == 4   # two transfers, each forward and backward
+    assert len(timer.done_times) == 4   # two transfers, each forward and backward
 
 
 @pytest.mark.parametrize("size", [2, 4])

@@ -82,6 +82,20 @@ def test_bench_moe_layer_json():
         assert record[key] > 0
 
 
+def test_bench_moe_layer_ep_parts_the_exposed_all_to_all_time():
+    """--ep 2 with 2 chunks reports the split of the exposed all-to-all time (its arithmetic is
+    tests/unit/test_a2a_timer.py); the time on the wire lies inside the time in flight."""
+    result = moepar("bench", "moe-layer", "--ep=2", "--tokens=256", "--dim=32", "--ffn-dim=64",
+                    "--experts=4", "--a2a-chunks=2", "--repeats=3", "--warmup=1", "--json")
+    assert result.returncode == 0, errors(result)
+    record = json.loads(result.stdout.strip().splitlines()[-1])
+    assert record["a2a_chunks"] == 2
+    for key in ("total", "exposed", "peer_wait", "comm", "on_wire"):
+        assert record[f"a2a_{key}_ms"] >= 0
+    assert 0 < record["a2a_on_wire_ms"] <= record["a2a_total_ms"] + 1e-6
+    assert 0 < record["a2a_comm_share"]
+
+
 def test_nproc_launcher_trains_with_expert_parallelism(tmp_path):
     """The README's multi-process command: torch's launcher, 2 workers, ep=2, same first loss."""
     single = moepar("train", str(ROOT / "examples" / "tiny.toml"), "--train.steps=2",
