@@ -15,7 +15,8 @@ launcher die with it (Linux: PR_SET_PDEATHSIG), so a killed launcher leaves no o
 | 0    | trained to train.steps (the last step is saved)                                |
 | 1    | failed: a worker error, an unreadable checkpoint or data file, a timeout       |
 | 2    | refused to start, nothing changed: a config error, run.dir in use or holding   |
-|      | another run, nothing to resume, a resume that would change the run             |
+|      | another run, nothing to resume, a resume that would change the run or replay   |
+|      | a recorded divergence (run.dir/diverged.json)                                  |
 | 3    | diverged: non-finite loss or grad norm for more than train.max_skipped_steps   |
 |      | steps in a row (or once with on_nonfinite='stop'), or non-finite parameters    |
 | 75   | preempted: SIGTERM; every rank finished the same step and saved it (75 is      |
@@ -125,7 +126,8 @@ def launch(nproc: int, argv: list[str], run_dir: str | None = None,
     try:
         run(args)
     except ChildFailedError as e:
-        codes = {failure.exitcode for failure in e.failures.values()}
+        # Workers the agent stopped (SIGTERM) once another had failed say nothing of their own.
+        codes = {failure.exitcode for failure in e.failures.values()} - {-signal.SIGTERM}
         if len(codes) == 1 and codes <= {EXIT_REFUSED, EXIT_DIVERGED, EXIT_PREEMPTED}:
             return codes.pop()       # every failed worker said the same (they agree by design)
         print(f"moepar: a worker failed:\n{e}", file=sys.stderr)

@@ -6,6 +6,7 @@ do with the files already there, and which config changes a resume accepts.
     <run.dir>/metrics.jsonl   one JSON object per step (rank 0)
     <run.dir>/tb/             TensorBoard events
     <run.dir>/checkpoints/    step_N committed; step_N.incomplete-<time> set aside, never deleted
+    <run.dir>/diverged.json   written when the run diverges: the step, why, and its config
 
 Who holds the lock: the process that starts the run. `moepar train` on one process takes it
 itself; `moepar train --nproc N` takes it in the launcher before any worker starts and tells the
@@ -23,11 +24,13 @@ import time
 
 __all__ = ["RunDirError", "RunLock", "LOCK_FILE", "LAUNCHER_ENV", "previous_run_files",
            "describe_checkpoints", "plan_start", "write_config", "config_changes",
-           "HARMLESS_CHANGES"]
+           "HARMLESS_CHANGES", "DIVERGED_FILE", "record_divergence", "refuse_replay"]
 
 LOCK_FILE = "run.lock"
 LAUNCHER_ENV = "MOEPAR_RUN_LOCK_PID"     # set by `moepar train --nproc`: the launcher holds it
-RUN_FILES = ("config.toml", "metrics.jsonl", "expert_load.jsonl", "tb", "checkpoints")
+DIVERGED_FILE = "diverged.json"
+RUN_FILES = ("config.toml", "metrics.jsonl", "expert_load.jsonl", "tb", "checkpoints",
+             DIVERGED_FILE)
 
 
 class RunDirError(ValueError):
@@ -104,7 +107,8 @@ def launcher_holds_lock(env=None) -> bool:
 
 def previous_run_files(run_dir: str, ignore: str | None = None) -> list[str]:
     """The files of a previous run in run_dir: config.toml (unless it is `ignore`, the input
-    config), metrics.jsonl, expert_load.jsonl, tb/, checkpoints/ (when it holds anything)."""
+    config), metrics.jsonl, expert_load.jsonl, tb/, checkpoints/ (when it holds anything),
+    diverged.json."""
     found = []
     for name in RUN_FILES:
         path = os.path.join(run_dir, name)
@@ -197,6 +201,57 @@ def _same_run_or_refuse(run_dir: str, current: dict | None, found: str):
     except RunDirError as e:
         raise RunDirError(f"run.resume=auto: run.dir={run_dir!r} holds another run's files "
                           f"({found}) and no complete checkpoint: {e}") from None
+
+
+# ---- a divergence is not retried as it was ----------------------------------------------------
+
+# Resuming before a divergence with the same config replays it: data order, seeds and resume are
+# exact, so the same steps diverge again (torch's elastic agent restarts workers whatever their
+# exit code, and a scheduler may requeue the job). Changes to these keys do not change that.
+_REPLAY_NEUTRAL = ("run.", "parallel.", "train.device", "train.activation_checkpointing")
+
+
+def record_divergence(run_dir: str, step: int, reason: str, config: dict):
+    """Rank 0, when the run diverged at `step`: <run.dir>/diverged.json, whole or not at all."""
+    path = os.path.join(run_dir, DIVERGED_FILE)
+    with open(path + ".tmp", "w") as f:
+        json.dump({"step": step, "reason": reason, "time": time.strftime("%Y-%m-%d %H:%M:%S"),
+                   "config": config}, f)
+    os.replace(path + ".tmp", path)
+
+
+def refuse_replay(run, resume_path: str | None, current: dict):
+    """RunDirError when this start would replay a recorded divergence: it resumes from a
+    checkpoint no later than the diverged step (or starts over) and its config differs from the
+    diverged run's in none but replay-neutral keys. An asked overwrite replaces the record."""
+    from moepar.checkpoint import checkpoint_step
+    path = os.path.join(run.dir, DIVERGED_FILE)
+    if not os.path.exists(path):
+        return
+    if run.overwrite:
+        os.remove(path)
+        return
+    try:
+        with open(path) as f:
+            record = json.load(f)
+        step, reason, saved = int(record["step"]), str(record["reason"]), record["config"]
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        raise RunDirError(f"{path} is unreadable ({e}); it records a divergence of this run. "
+                          "Delete it to start anyway") from None
+    start = checkpoint_step(resume_path) if resume_path else 0
+    if start is None or start > step:
+        return
+    old = _flatten(saved) if isinstance(saved, dict) else {}
+    new = _flatten(json.loads(json.dumps(current)))    # lists, as the record holds them
+    changed = [key for key in sorted(set(old) & set(new)) if old[key] != new[key]
+               and not any(key == n or (n.endswith(".") and key.startswith(n))
+                           for n in _REPLAY_NEUTRAL)]
+    if changed:
+        return
+    where = f"resuming from step {start}" if resume_path else "starting over"
+    raise RunDirError(f"not retrying a divergence: {where} with the same config would replay "
+                      f"step {step}, where the run diverged ({record.get('time', '?')}; {path}): "
+                      f"{reason}. Change what that advice says, or delete {path} to try anyway")
 
 
 def write_config(cfg, config_path: str | None = None) -> bool:

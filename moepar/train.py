@@ -45,7 +45,7 @@ from moepar.parallel.schedules import check_schedule
 from moepar.plan.memory import param_count
 from moepar.progress import Progress, params_text
 from moepar.rundir import (RunDirError, RunLock, config_changes, launcher_holds_lock, plan_start,
-                           write_config)
+                           record_divergence, refuse_replay, write_config)
 
 __all__ = ["Trainer", "lr_at", "NonFiniteError", "Preempted", "build_dims", "build_engine"]
 
@@ -248,6 +248,7 @@ class Trainer:
                     self.log(f"checkpoints: {message}")
                 path, doomed = plan_start(self.cfg.run, self.ckpt_root, self.config_path,
                                           to_dict(self.cfg))
+                refuse_replay(self.cfg.run, path, to_dict(self.cfg))
                 for step in doomed:        # asked for by --run.overwrite
                     self.discarding.append(discard(os.path.join(self.ckpt_root, f"step_{step}")))
             except (RunDirError, OSError) as e:
@@ -473,6 +474,10 @@ class Trainer:
                                 self.save(reason="preempted"))
                         raise Preempted(self.step, path)
                 self.finish_save()
+        except NonFiniteError as e:
+            if self.rank == 0:     # so that a restart does not replay it (rundir.refuse_replay)
+                record_divergence(cfg.run.dir, self.step, str(e), to_dict(cfg))
+            raise
         finally:
             if writer is not None:
                 writer.close()
