@@ -42,7 +42,7 @@ def dry_run(cfg, nproc: int, nodes=None) -> dict:
     """The dry run's numbers. `nodes`: the node counts of --nnodes (None: one node of nproc)."""
     import dataclasses
 
-    from moepar.train import build_dims
+    from moepar.build import build_dims
     counts = list(nodes) if nodes else [1]
     if nodes and not cfg.parallel.gpus_per_node:
         # the launcher will set LOCAL_WORLD_SIZE=nproc on every node: the same node size here

@@ -276,7 +276,7 @@ def _check_node_counts(cfg, nproc: int, flags: dict):
     """Validates the layout at every world size the job may run at (each node count of
     --nnodes N or MIN:MAX, times --nproc), before any process starts."""
     from moepar.cluster import node_counts
-    from moepar.train import build_dims
+    from moepar.build import build_dims
     if "--nnodes" not in flags:
         build_dims(cfg, nproc)
         return
@@ -301,7 +301,7 @@ def main(argv: list[str]) -> int:
         flags, print_launch, argv = pop_multinode(argv)
         args, overrides = _parse(argv)
         cfg = load_config(args.config, overrides)
-        from moepar.train import build_dims
+        from moepar.build import build_dims
         if under_launcher:
             if flags or print_launch:
                 raise ValueError(f"{', '.join([*flags, *(['--print-launch'] * print_launch)])} "

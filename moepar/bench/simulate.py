@@ -43,7 +43,7 @@ def simulate(cfg, world: int, ranks: list[int] | None = None) -> dict:
     """{'ranks': [per sampled rank: coords and bytes], ...} for `cfg` on a world of `world`."""
     from moepar.layers import Transformer
     from moepar.parallel import Options, parallelize
-    from moepar.train import _PARAM_DTYPES, adamw_factory, build_dims
+    from moepar.build import PARAM_DTYPES, adamw_factory, build_dims
     from .fakeworld import fake_process_group
     dims = build_dims(cfg, world)
     ranks = default_ranks(dims) if ranks is None else ranks
@@ -53,7 +53,7 @@ def simulate(cfg, world: int, ranks: list[int] | None = None) -> dict:
             layout = dims.bind(rank, torch.device("cpu"))
             with torch.device("meta"):
                 model = Transformer(cfg.model, cfg.router, seed=cfg.train.seed)
-            model = model.to(_PARAM_DTYPES[cfg.train.dtype])
+            model = model.to(PARAM_DTYPES[cfg.train.dtype])
             options = Options(cfg.parallel, adamw_factory(cfg.train),
                               num_micro=cfg.train.num_micro_batches // dims.dp,
                               vocab_size=cfg.model.vocab_size, seq_len=cfg.train.seq_len,

@@ -92,9 +92,9 @@ def _config_file(source) -> str:
 def _resolve(args, overrides: list[str], world: int, log):
     """(source, config, dims), the layout falling back to data parallelism when the run's does
     not fit `world` ranks (and no --parallel.* layout key was given)."""
+    from moepar.build import build_dims
     from moepar.config import load_config
     from moepar.infer.source import resolve_source
-    from moepar.train import build_dims
     source = resolve_source(args.source)
     if source.kind == "hf":
         raise ValueError(f"{args.source!r} is a Hugging Face folder; convert it first: moepar "
@@ -120,6 +120,7 @@ def _resolve(args, overrides: list[str], world: int, log):
 
 def evaluate_checkpoint(cfg, dims, weights: str) -> dict:
     """This process's part of `moepar eval` (every rank): the checkpoint's validation figures."""
+    from moepar.build import build_engine
     from moepar.checkpoint import load_checkpoint, read_state
     from moepar.launch import init_process_group, select_device
     rank = int(os.environ.get("RANK", 0))
@@ -127,7 +128,6 @@ def evaluate_checkpoint(cfg, dims, weights: str) -> dict:
     device = select_device(cfg.train.device, cfg.parallel.backend)
     init_process_group(cfg.parallel, device, dims.world_size)
     num_local = cfg.train.global_batch_size // cfg.train.micro_batch_size // dims.dp
-    from moepar.train import build_engine     # train imports this module: lazily
     engine = build_engine(cfg, dims.bind(rank, device), device, num_local)
     load_checkpoint(weights, engine, restore_rng=False)
     t = cfg.train

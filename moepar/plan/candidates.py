@@ -1,5 +1,5 @@
 """Every layout for a model on a cluster, checked by the rules `moepar train` applies (the run
-config's own validation and `train.build_dims`), then costed: memory per GPU (footprint.py) and
+config's own validation and `build.build_dims`), then costed: memory per GPU (footprint.py) and
 step time (steptime.py). Families (pp, tp, ep) with no layout that fits get one reason.
 
 Searched: tp over the divisors of a node (TP stays inside a node), pp over the divisors of the
@@ -14,7 +14,7 @@ import functools
 from dataclasses import dataclass
 
 from moepar.parallel.dims import ParallelDims
-from moepar.train import build_dims
+from moepar.build import build_dims
 
 from .activations import ActSpec, rows_per_rank
 from .flops import model_flops_per_token

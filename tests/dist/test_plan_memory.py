@@ -30,7 +30,8 @@ from moepar.bench.memory import _storage_bytes
 from moepar.metrics import StepStats
 from moepar.plan.activations import ActSpec, rows_per_rank
 from moepar.plan.footprint import ITEMS, rank_footprint
-from moepar.train import Trainer, build_dims
+from moepar.build import build_dims
+from moepar.train import Trainer
 
 
 def _storage(t):

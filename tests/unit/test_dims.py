@@ -11,7 +11,7 @@ import torch
 from configs import tiny_config
 from moepar.parallel.alltoall import source_to_expert_major
 from moepar.parallel.dims import Coords, ParallelDims
-from moepar.train import build_dims
+from moepar.build import build_dims
 
 # ---- coordinates -----------------------------------------------------------------------------
 # Hand-computed: dense rank = (pp * dp + dp_rank) * tp + tp_rank; inside a stage the dp*tp ranks

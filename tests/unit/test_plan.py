@@ -20,7 +20,7 @@ from moepar.plan.memory import param_count
 from moepar.plan.source import imbalance_from_run, load_model
 from moepar.plan.steptime import stage_seconds, step_seconds
 from moepar.plan.writer import best_runnable, plan_config, runnable, write_plan
-from moepar.train import build_dims
+from moepar.build import build_dims
 
 EXAMPLES = pathlib.Path(__file__).resolve().parents[2] / "examples"
 H100 = PRESETS["h100-80g"]

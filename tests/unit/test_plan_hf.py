@@ -14,7 +14,7 @@ from moepar.config import load_config  # noqa: E402
 from moepar.hf.arch import ARCHS as SUPPORTED, read_hf_config  # noqa: E402
 from moepar.plan.cli import main  # noqa: E402
 from moepar.plan.source import load_model  # noqa: E402
-from moepar.train import build_dims  # noqa: E402
+from moepar.build import build_dims  # noqa: E402
 
 COMMON = dict(vocab_size=512, hidden_size=64, num_hidden_layers=4, num_attention_heads=4,
               num_key_value_heads=2, num_experts_per_tok=2, max_position_embeddings=256)

@@ -10,7 +10,7 @@ import pytest
 from moepar.bench.simulate import simulate
 from moepar.config import load_config
 from moepar.plan.memory import param_count, rank_memory
-from moepar.train import build_dims
+from moepar.build import build_dims
 
 EXAMPLES = pathlib.Path(__file__).resolve().parents[2] / "examples"
 

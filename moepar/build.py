@@ -1,0 +1,68 @@
+"""The parallel model of a run config: its layout (validated before any collective), the
+model built on the meta device and sharded by `parallelize`, and the AdamW factory. Shared by
+training, `moepar eval`, `moepar plan`, the dry run and the launcher (which checks a layout
+without importing the training loop)."""
+
+import os
+
+import torch
+
+from moepar.config import RunConfig
+from moepar.layers import Transformer
+from moepar.parallel import Options, ParallelDims, parallelize
+from moepar.parallel.schedules import check_schedule
+
+__all__ = ["build_dims", "build_engine", "adamw_factory", "PARAM_DTYPES"]
+
+# Parameters (and AdamW state) per train.dtype: bf16/fp16 runs keep fp32 masters under autocast.
+PARAM_DTYPES = {"float32": torch.float32, "bfloat16": torch.float32, "float16": torch.float32,
+                "float64": torch.float64}
+_AUTOCAST = {"bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def adamw_factory(cfg, fused: bool = False):
+    """make_adamw(decay, no_decay): AdamW with weight decay on matrices (and expert stacks) only;
+    the fused kernel on CUDA."""
+    def make(decay, no_decay):
+        groups = [{"params": decay, "weight_decay": cfg.weight_decay},
+                  {"params": no_decay, "weight_decay": 0.0}]
+        kind = {"fused": True} if fused else {"foreach": True}
+        return torch.optim.AdamW(groups, lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), eps=cfg.eps,
+                                 **kind)
+    return make
+
+
+def build_dims(cfg: RunConfig, world_size: int) -> ParallelDims:
+    """The layout for this world, validated against the batch sizes; raises before any collective."""
+    p = cfg.parallel
+    node = p.gpus_per_node or int(os.environ.get("LOCAL_WORLD_SIZE", 0))
+    dims = ParallelDims.resolve(world_size, p.pp, p.dp, p.tp, p.ep, cfg.model.num_experts,
+                                gpus_per_node=node if node < world_size else 0)
+    t = cfg.train
+    if t.global_batch_size % (t.micro_batch_size * dims.dp):
+        raise ValueError(f"train.global_batch_size={t.global_batch_size} must be a multiple of "
+                         f"train.micro_batch_size={t.micro_batch_size} * dp={dims.dp} (every dp "
+                         "rank runs whole micro-batches)")
+    if dims.pp > 1:
+        local_micro = t.global_batch_size // (t.micro_batch_size * dims.dp)
+        try:
+            check_schedule(p.pp_schedule, dims.pp, p.pp_virtual, local_micro)
+        except ValueError as e:
+            raise ValueError(f"parallel.pp_schedule={p.pp_schedule!r}: {e} (micro-batches per "
+                             f"step per pipeline = train.global_batch_size / "
+                             f"(train.micro_batch_size * dp))") from None
+    return dims
+
+
+def build_engine(cfg: RunConfig, layout, device, num_local_micro: int):
+    """The parallel model of `cfg` on `layout` (training, `moepar eval`): the whole model exists
+    only as shapes (meta); `parallelize` shards it and each rank allocates and draws its own."""
+    t = cfg.train
+    with torch.device("meta"):
+        model = Transformer(cfg.model, cfg.router, seed=t.seed)
+    model = model.to(PARAM_DTYPES[t.dtype])
+    options = Options(cfg.parallel, adamw_factory(t, fused=device.type == "cuda"),
+                      num_micro=num_local_micro, vocab_size=cfg.model.vocab_size,
+                      seq_len=t.seq_len, recompute=t.recompute,
+                      compute_dtype=_AUTOCAST.get(t.dtype), seed=t.seed)
+    return parallelize(model, layout, options)
