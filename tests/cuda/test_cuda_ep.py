@@ -3,10 +3,11 @@ rank that sends nothing and a rank that receives nothing, against the combine co
 (as tests/dist/test_ep.py checks on gloo); a ZeRO-3 save holds one box at a time in GPU memory."""
 
 import os
-import socket
 
 import pytest
 import torch
+
+from net import free_port
 
 pytestmark = [pytest.mark.cuda,
               pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs for NCCL")]
@@ -77,17 +78,11 @@ def _round_trip(rank: int, port: int, dispatcher: str, dedup: bool, scenario: st
         dist.destroy_process_group()
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.mark.parametrize("scenario", SCENARIOS)
 @pytest.mark.parametrize("dispatcher, dedup", KINDS, ids=["alltoall", "dedup", "allgather"])
 def test_dispatcher_round_trip_on_nccl(dispatcher, dedup, scenario):
     import torch.multiprocessing as mp
-    mp.spawn(_round_trip, args=(_free_port(), dispatcher, dedup, scenario), nprocs=2, join=True)
+    mp.spawn(_round_trip, args=(free_port(), dispatcher, dedup, scenario), nprocs=2, join=True)
 
 
 def _zero3_checkpoint_memory(rank: int, port: int, run_dir: str):
@@ -121,5 +116,5 @@ def _zero3_checkpoint_memory(rank: int, port: int, run_dir: str):
 
 def test_zero3_checkpoint_holds_one_box_at_a_time_in_gpu_memory(tmp_path):
     import torch.multiprocessing as mp
-    mp.spawn(_zero3_checkpoint_memory, args=(_free_port(), str(tmp_path / "run")), nprocs=2,
+    mp.spawn(_zero3_checkpoint_memory, args=(free_port(), str(tmp_path / "run")), nprocs=2,
              join=True)

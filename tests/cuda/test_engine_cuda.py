@@ -7,7 +7,6 @@ import json
 import math
 import os
 import pathlib
-import socket
 import subprocess
 import sys
 
@@ -16,6 +15,7 @@ import torch
 
 from configs import tiny_config
 from moepar.train import Trainer
+from net import free_port
 
 pytestmark = pytest.mark.cuda
 ROOT = pathlib.Path(__file__).resolve().parents[2]
@@ -84,7 +84,7 @@ def test_autocast_dtype_of_each_piece(tmp_path):
 def test_launch_with_only_rank_and_world_size(tmp_path):
     """SLURM-style launch: RANK and WORLD_SIZE, no LOCAL_RANK: the rank finds cuda:RANK%GPUs."""
     env = {k: v for k, v in os.environ.items() if k not in ("LOCAL_RANK", "LOCAL_WORLD_SIZE")}
-    env.update(RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()))
+    env.update(RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
     result = subprocess.run([sys.executable, "-m", "moepar", "train", TINY, "--train.steps=1",
                              "--train.device=cuda", f"--run.dir={tmp_path}"], env=env,
                             capture_output=True, text=True, timeout=300)
@@ -115,12 +115,6 @@ def test_checkpoint_holds_one_box_at_a_time_in_gpu_memory(tmp_path):
                         f"--run.resume_from={path}"), log=quiet)
     # parameters + AdamW moments, and what a box read needs on the device (one box at a time)
     assert torch.cuda.max_memory_allocated() - before <= 3 * shard + largest + (8 << 20)
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _torchrun(tmp_path, nproc, *overrides):

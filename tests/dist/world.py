@@ -10,22 +10,17 @@ process on two cores, so worlds are shared for the whole pytest session.
 import multiprocessing as mp
 import os
 import pathlib
-import socket
 import sys
 import traceback
 from multiprocessing.connection import wait
+
+from net import free_port
 
 HERE = pathlib.Path(__file__).resolve().parent
 
 
 class CaseError(AssertionError):
     pass
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _worker(rank: int, size: int, port: int, conn, paths: list[str]):
@@ -58,7 +53,7 @@ class World:
 
     def start(self):
         ctx = mp.get_context("spawn")
-        port = _free_port()
+        port = free_port()
         paths = [str(HERE), str(HERE.parent)]
         for rank in range(self.size):
             parent, child = ctx.Pipe()

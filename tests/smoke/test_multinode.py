@@ -15,13 +15,8 @@ import sys
 import time
 
 from configs import tiny_config
+from net import free_port
 from moepar.config import load_config, to_toml
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def config_file(tmp_path, *overrides) -> str:

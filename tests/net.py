@@ -1,0 +1,9 @@
+"""A free localhost TCP port, for tests that start their own process groups or rendezvous."""
+
+import socket
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
