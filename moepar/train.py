@@ -421,7 +421,10 @@ class Trainer:
                 self.finish_save()
         except NonFiniteError as e:
             if self.rank == 0:     # so that a restart does not replay it (rundir.refuse_replay)
-                record_divergence(cfg.run.dir, self.step, str(e), to_dict(cfg))
+                try:
+                    record_divergence(cfg.run.dir, self.step, str(e), to_dict(cfg))
+                except OSError as err:     # the divergence is the news, not the record
+                    self.log(f"warning: could not record the divergence in {cfg.run.dir}: {err}")
             raise
         finally:
             if writer is not None:
