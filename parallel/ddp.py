@@ -172,7 +172,12 @@ class OverlappedReducer:
             self._launch(self.buckets[self.next_launch])
             self.next_launch += 1
         for bucket in self.buckets:
-            bucket.handle.wait()
-            self._complete(bucket)
-            bucket.wire = bucket.handle = None
+            if bucket.handle is not None:      # (ZeRO-2 settles buckets during backward)
+                self._settle(bucket)
         self.armed = False
+
+    def _settle(self, bucket: _Bucket):
+        """Waits for one bucket's collective, writes its result, drops its wire buffer."""
+        bucket.handle.wait()
+        self._complete(bucket)
+        bucket.wire = bucket.handle = None

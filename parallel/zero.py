@@ -18,7 +18,9 @@ Buckets never mix decayed and undecayed parameters, so every shard has one weigh
   is reduce-scattered while backward runs and the rank's slice becomes the shard's gradient.
 - stage 2: every micro-batch reduce-scatters each bucket as soon as it is final and frees the
   full gradients, adding the result into the shard's gradient (the ZeRO-2 trade: one
-  reduce-scatter per micro-batch for 1/N gradient memory).
+  reduce-scatter per micro-batch for 1/N gradient memory). At most `IN_FLIGHT` buckets' flat
+  copies wait on the wire: launching one more settles the oldest, so full-size gradients never
+  pile up (holding every bucket until the end of backward would make the peak ZeRO-1's).
 torch's ZeroRedundancyOptimizer gives each rank whole parameters (uneven shards, no gradient
 sharding) and FSDP2 has no "parameters replicated, gradients sharded" mode, hence this piece.
 
@@ -42,12 +44,15 @@ __all__ = ["ZeroReducer", "ShardedAdamW", "FullyShardedSync"]
 
 
 class ZeroReducer(OverlappedReducer):
+    IN_FLIGHT = 2      # stage 2: reduce-scatters in flight before the oldest is waited and freed
+
     def __init__(self, model, meshes, dims, stage: int, bucket_mb: float = 25.0, reduce_dtype=None):
         super().__init__(model, meshes, dims, bucket_mb, reduce_dtype, split_decay=True,
                          grad_views=False)
         if stage not in (1, 2):
             raise ValueError(f"ZeroReducer is for parallel.zero=1 or 2, not {stage}")
         self.stage, self.reduce_every_micro = stage, stage == 2
+        self._in_flight = []
         with torch.no_grad():
             for bucket in self.buckets:
                 self._flatten(bucket)
@@ -113,6 +118,14 @@ class ZeroReducer(OverlappedReducer):
         b.wire = self._to_wire(flat)
         b.out = torch.empty(b.shard_len, dtype=b.wire.dtype, device=b.wire.device)
         b.handle = comm.reduce_scatter_single(b.out, b.wire, group=b.group, async_op=True)
+        if b.flat_grad is None:        # stage 2: bound the full-size copies in flight
+            self._in_flight.append(b)
+            while len(self._in_flight) > self.IN_FLIGHT:
+                self._settle(self._in_flight.pop(0))
+
+    def arm(self):
+        super().arm()
+        self._in_flight = []
 
     def _complete(self, b):
         reduced = b.out.to(b.flat.dtype).mul_(self.scale)

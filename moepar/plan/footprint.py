@@ -13,8 +13,8 @@ buffers, the backward's transient peak, and a fixed framework overhead.
 |                | head) and the bf16 weight copies autocast keeps per micro-batch             |
 | moe_dispatch   | in-flight x the expert rows' saved bytes (capacity or imbalance factor)     |
 | recompute      | one region's activations, rebuilt in backward                               |
-| comm_buffers   | ZeRO-0/2 flat gradient copies (every bucket's stays until the step's        |
-|                | reduction ends), ZeRO-3 gathered blocks, all-to-all send/receive rows,      |
+| comm_buffers   | ZeRO-0/2 flat gradient copies (ZeRO-2: at most IN_FLIGHT + 1 buckets of     |
+|                | parallel.bucket_mb), ZeRO-3 gathered blocks, all-to-all send/receive rows,  |
 |                | pipeline stage outputs and receive buffers                                  |
 | transient      | backward's working set: the loss's fp32 logit gradients on the last stage,  |
 |                | or a layer's largest gradient buffer (SwiGLU's [rows, 2F])                  |
@@ -27,9 +27,10 @@ chunk-micro-batches, each about 1/v of the rank's layers.
 """
 
 from moepar.parallel.pipeline import rank_chunks, split_layers
+from moepar.parallel.zero import ZeroReducer
 
 from .activations import ActSpec, embed_bytes, head_bytes, layer_bytes
-from .memory import rank_memory
+from .memory import bucket_sizes, rank_memory
 
 __all__ = ["in_flight", "rank_footprint", "stage_layers", "ITEMS"]
 
@@ -133,7 +134,15 @@ def rank_footprint(cfg, dims, rank: int, spec: ActSpec, *, num_micro: int, sched
         # of the two phases.
         dynamic = sum(out[k] for k in ("activations", "moe_dispatch", "recompute",
                                        "comm_buffers", "transient"))
-        flats, gathered = _sync_buffers(spec, elements, wire_bytes or spec.r, len(layers))
+        window = 0
+        if spec.zero == 2:   # the most buckets' flat copies alive at once (parallel/zero.py)
+            bucket_mb = getattr(getattr(cfg, "parallel", None), "bucket_mb", 25.0)
+            sizes = bucket_sizes(model, dims, rank, bucket_mb * 2 ** 20, spec.r, virtual,
+                                 pp_layers)
+            k = ZeroReducer.IN_FLIGHT + 1
+            window = max(sum(sizes[i:i + k]) for i in range(len(sizes)))
+        flats, gathered = _sync_buffers(spec, elements, wire_bytes or spec.r, len(layers),
+                                        window)
         # (interleaved: the step's last backward covers one chunk; the others' buckets are
         # flattened after it, when no layer is being rebuilt)
         end = flats + held + (region + grad if virtual == 1 else 0.0)
@@ -143,11 +152,12 @@ def rank_footprint(cfg, dims, rank: int, spec: ActSpec, *, num_micro: int, sched
     return out
 
 
-def _sync_buffers(spec: ActSpec, elements: int, wire: int, num_layers: int) -> tuple:
+def _sync_buffers(spec: ActSpec, elements: int, wire: int, num_layers: int,
+                  window: int) -> tuple:
     """Gradient-sync memory beyond the gradients: (flat copies alive when the step's reduction
-    ends, buffers alive throughout)."""
-    if spec.zero == 2:             # every bucket's flat copy lives until the reduction ends
-        return elements * wire, 0.0
+    ends, buffers alive throughout). `window`: ZeRO-2's most elements in flight."""
+    if spec.zero == 2:
+        return window * wire, 0.0
     if spec.zero in (0, 1):        # the flat gradient buffers are the gradients (cast if wired)
         return (elements * wire if wire != spec.r else 0.0), 0.0
     # ZeRO-3: the gathered parameters of the running block and the prefetched next one

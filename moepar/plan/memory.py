@@ -34,7 +34,7 @@ import math
 from moepar.parallel.pipeline import rank_chunks, split_layers
 from moepar.parallel.shards import fsdp_range
 
-__all__ = ["tensor_shapes", "rank_memory", "param_count"]
+__all__ = ["tensor_shapes", "rank_memory", "param_count", "bucket_sizes"]
 
 
 def _attention(cfg, tp: int) -> list[tuple[tuple, bool]]:
@@ -73,8 +73,10 @@ def tensor_shapes(cfg, router=None, tp: int = 1) -> dict:
            "last": [((D,), "dense")] + ([] if cfg.tie_embeddings else [((vocab, D), "dense")])}
     width = 2 if cfg.activation == "swiglu" else 1
     for i in range(cfg.num_layers):
-        shapes = [((D,), "dense"), ((D,), "dense")]
+        # in registration order (gradient buckets follow it): norm, attention, norm, FFN
+        shapes = [((D,), "dense")]
         shapes += [(s, "dense") for s, _ in _attention(cfg, tp)]
+        shapes += [((D,), "dense")]
         if cfg.is_moe_layer(i):
             E, Fe = cfg.num_experts, cfg.moe_ffn_dim
             shapes += [((E, D), "dense"), ((E, D, width * Fe), "expert"), ((E, Fe, D), "expert")]
@@ -107,6 +109,38 @@ def _fsdp_local(shape: tuple, world: int, index: int) -> int:
     return math.prod(shape) // shape[dim] * (stop - start) if shape[dim] else 0
 
 
+def _rank_groups(cfg, dims, rank: int, pp_virtual: int, pp_layers, shapes) -> list:
+    """This rank's tensor groups (embedding, its layers, final norm and head), in registration
+    order."""
+    coords = dims.coords(rank)
+    counts = split_layers(cfg.num_layers, dims.pp, pp_virtual, pp_layers or None)
+    chunks = rank_chunks(coords.pp, dims.pp, pp_virtual)
+    layers = sorted(i for c in chunks for i in range(sum(counts[:c]), sum(counts[:c + 1])))
+    return ([shapes["first"]] if 0 in chunks else []) + [shapes[i] for i in layers] + \
+        ([shapes["last"]] if dims.pp * pp_virtual - 1 in chunks else [])
+
+
+def bucket_sizes(cfg, dims, rank: int, bucket_bytes: float, element_bytes: int = 4,
+                 pp_virtual: int = 1, pp_layers: list[int] | None = None) -> list[int]:
+    """Elements of each gradient bucket on `rank` in launch order, as parallel/ddp.py forms
+    them: tensors in reverse registration order, a new bucket when the group (dense: dp,
+    experts: edp) or the weight decay (matrices only) changes, or the next tensor would pass
+    `bucket_bytes`. (Alignment padding ignored.)"""
+    shapes = tensor_shapes(cfg, tp=dims.tp)
+    tensors = [(shape, kind) for group in _rank_groups(cfg, dims, rank, pp_virtual, pp_layers,
+                                                       shapes) for shape, kind in group]
+    sizes, key, size = [], None, 0
+    for shape, kind in reversed(tensors):
+        if kind == "expert":
+            shape = (shape[0] // dims.ep,) + shape[1:]
+        n, this = math.prod(shape), (kind, len(shape) >= 2)
+        if size and (this != key or (size + n) * element_bytes > bucket_bytes):
+            sizes.append(size)
+            size = 0
+        key, size = this, size + n
+    return sizes + ([size] if size else [])
+
+
 def rank_memory(cfg, dims, rank: int, zero: int = 0, element_bytes: int = 4,
                 pp_virtual: int = 1, pp_layers: list[int] | None = None,
                 shapes: dict | None = None) -> dict:
@@ -114,14 +148,7 @@ def rank_memory(cfg, dims, rank: int, zero: int = 0, element_bytes: int = 4,
     `shapes`: tensor_shapes(cfg, tp=dims.tp), when the caller has it."""
     coords = dims.coords(rank)
     shapes = shapes or tensor_shapes(cfg, tp=dims.tp)
-    counts = split_layers(cfg.num_layers, dims.pp, pp_virtual, pp_layers or None)
-    chunks = rank_chunks(coords.pp, dims.pp, pp_virtual)
-    layers = [i for c in chunks for i in range(sum(counts[:c]), sum(counts[:c + 1]))]
-    groups = [shapes[i] for i in layers]
-    if 0 in chunks:
-        groups.append(shapes["first"])
-    if dims.pp * pp_virtual - 1 in chunks:
-        groups.append(shapes["last"])
+    groups = _rank_groups(cfg, dims, rank, pp_virtual, pp_layers, shapes)
     dense = expert = 0
     dense_shard = expert_shard = 0.0
     for group in groups:

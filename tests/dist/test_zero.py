@@ -119,6 +119,43 @@ def test_stage_1_reduces_on_the_last_micro_batch_stage_2_on_every_one(worlds, tm
     assert results[0] == results[1]
 
 
+def case_stage2_in_flight(run_dir: str, in_flight: int):
+    """One ZeRO-2 micro-batch with `in_flight` as the window: the largest total of full-size
+    flat gradient copies alive after each launch, the bucket count, and the shard gradients."""
+    from moepar.parallel.zero import ZeroReducer
+    trainer = Trainer(tiny_config(run_dir, "--parallel.zero=2", "--parallel.bucket_mb=0.002"),
+                      log=quiet)
+    sync, real = trainer.sync, ZeroReducer._launch
+    peak = [0]
+
+    def spy(self, b):
+        real(self, b)
+        live = sum(x.wire.numel() * x.wire.element_size() for x in self.buckets
+                   if x.wire is not None)
+        peak[0] = max(peak[0], live)
+
+    ZeroReducer._launch, ZeroReducer.IN_FLIGHT = spy, in_flight
+    try:
+        stats = StepStats(len(trainer.model.moe_layers()), 4)
+        trainer._micro_batch(*trainer.sampler.batch(trainer.first_micro), stats, last=True)
+    finally:
+        ZeroReducer._launch, ZeroReducer.IN_FLIGHT = real, 2
+    largest = max(b.flat.numel() * b.flat.element_size() for b in sync.buckets)
+    return peak[0], largest, len(sync.buckets), [b.shard.grad.clone() for b in sync.buckets]
+
+
+def test_stage_2_keeps_two_full_size_gradient_buckets_in_flight(worlds, tmp_path):
+    """The point of ZeRO-2 is 1/N gradient memory: its flat copies on the wire are settled two
+    buckets behind, not held until backward ends (which made its peak ZeRO-1's); same sums."""
+    bounded = worlds(2).run(case_stage2_in_flight, str(tmp_path / "a"), 2, timeout=120)[0]
+    held = worlds(2).run(case_stage2_in_flight, str(tmp_path / "b"), 10 ** 6, timeout=120)[0]
+    peak, largest, buckets, grads = bounded
+    assert buckets > 6
+    assert peak <= 2 * largest
+    assert held[0] > 4 * largest          # all of them: what the window prevents
+    assert all(torch.equal(a, b) for a, b in zip(grads, held[3], strict=True))
+
+
 def test_bfloat16_wire_dtype(worlds, tmp_path):
     (per_micro, _), _ = worlds(2).run(case_reduce_schedule, str(tmp_path), 2, "bfloat16",
                                       timeout=120)
