@@ -23,7 +23,8 @@ handle's map (parallel/shards.py), so:
   copies the intersections in: all ranks load, or all raise the same CheckpointError.
 Host memory holds one box (or one stored piece's intersection) at a time. No pickle anywhere.
 
-The code, by side (each module says what it may touch):
+The code, by side (a test that replaces a tensorfile function such as read_box or
+write_tensors patches it on the module below that calls it, not on this package):
 
     base.py     CheckpointError, the file names and FORMAT, the collectives, the tiling check
     save.py     save_checkpoint, PendingSave (host staging, background write), commit

@@ -6,6 +6,8 @@ A save whose boxes hold NaN or Inf is refused on every rank and nothing is commi
 
 import json
 import os
+import threading
+import time
 
 import torch
 
@@ -79,8 +81,6 @@ class PendingSave:
 
     def __init__(self, ckpt_root: str, step: int, engine, state: dict, keep: int = 0,
                  background: bool = False):
-        import threading
-        import time
         start = time.perf_counter()
         self.root, self.step, self.engine, self.state, self.keep = ckpt_root, step, engine, state, keep
         layout = engine.layout
