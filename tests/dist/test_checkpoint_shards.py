@@ -10,6 +10,7 @@ import torch.distributed as dist
 
 from configs import tiny_config
 from moepar import checkpoint, tensorfile
+from moepar.checkpoint import load as checkpoint_load
 from moepar.train import Trainer
 
 F64 = ["--train.dtype=float64", "--model.num_experts=8", "--train.global_batch_size=8",
@@ -34,9 +35,10 @@ def case_save(run_dir: str, overrides: list[str], block: int | None = None):
 
 
 def case_load_counting(run_dir: str, overrides: list[str], path: str, block: int):
-    """Resumes from `path` while counting the bytes each rank reads and the blocks it hashes."""
+    """Resumes from `path` while counting the bytes each rank reads and the blocks it hashes
+    (patched in moepar/checkpoint/load.py, the module that calls them)."""
     read, blocks = {"model": 0, "optimizer": 0}, []
-    real_read, real_check = checkpoint.read_box, checkpoint.check_blocks
+    real_read, real_check = checkpoint_load.read_box, checkpoint_load.check_blocks
 
     def counting_read(file, entry, start, offsets, sizes):
         data = real_read(file, entry, start, offsets, sizes)
@@ -51,12 +53,12 @@ def case_load_counting(run_dir: str, overrides: list[str], path: str, block: int
                            len(digest["blocks"])))
         return real_check(file, digest, ranges)
 
-    checkpoint.read_box, checkpoint.check_blocks = counting_read, counting_check
+    checkpoint_load.read_box, checkpoint_load.check_blocks = counting_read, counting_check
     try:
         trainer = Trainer(tiny_config(run_dir, *F64, *overrides, f"--run.resume_from={path}"),
                           log=quiet)
     finally:
-        checkpoint.read_box, checkpoint.check_blocks = real_read, real_check
+        checkpoint_load.read_box, checkpoint_load.check_blocks = real_read, real_check
     local = sum(lt.tensor.numel() * lt.tensor.element_size() for lt in trainer.engine.model_shards())
     dist.barrier()
     return read, local, blocks

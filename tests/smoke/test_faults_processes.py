@@ -150,13 +150,13 @@ def test_sigterm_to_the_launcher_saves_every_rank_and_exits_75(tmp_path):
 
 KILL_DURING_SAVE = """
 import os, signal, sys
-import moepar.checkpoint as checkpoint
-real = checkpoint.write_tensors
+import moepar.checkpoint.save as save     # the module that calls write_tensors
+real = save.write_tensors
 def write_then_die(path, entries, *args, **kwargs):
     if "step_2" in path and "optimizer" in os.path.basename(path):
         os.kill(os.getpid(), signal.SIGKILL)        # the model file is written, this one is not
     return real(path, entries, *args, **kwargs)
-checkpoint.write_tensors = write_then_die
+save.write_tensors = write_then_die
 from moepar.launch import main
 sys.exit(main(sys.argv[1:]))
 """

@@ -84,6 +84,22 @@ def test_torch_bound_admits_zero3():
     assert TorchVersion(declared()["torch"]) >= need.group(1)
 
 
+def packages_on_disk() -> set[str]:
+    """moepar and its sub-packages, as dotted names, from the folders holding __init__.py."""
+    return {".".join(p.parent.relative_to(ROOT).parts)
+            for p in (ROOT / "moepar").rglob("__init__.py")}
+
+
+def test_pyproject_lists_every_package():
+    """setuptools still copies an unlisted sub-package into the wheel (as package data of moepar,
+    with a warning that a later release will stop), so the wheel alone misses a lacking entry."""
+    found = packages_on_disk()
+    assert {"moepar", "moepar.checkpoint", "moepar.hf"} <= found          # the walk works
+    listed = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]["packages"]
+    missing = sorted(found - set(listed))
+    assert not missing, f"add to [tool.setuptools] packages in pyproject.toml: {missing}"
+
+
 @pytest.fixture(scope="module")
 def wheel(tmp_path_factory) -> pathlib.Path:
     out = tmp_path_factory.mktemp("wheel")
@@ -102,10 +118,18 @@ def test_wheel_carries_the_example_configs_and_every_package(wheel):
     assert examples
     for name in examples:
         assert f"moepar/examples/{name}" in names, name
-    for package in ("moepar", "moepar/inspect", "moepar/hf", "moepar/bench", "moepar/layers",
+    for package in (*(p.replace(".", "/") for p in packages_on_disk()), "moepar/layers",
                     "moepar/parallel"):
         assert f"{package}/__init__.py" in names, package
     assert not any(n.startswith(("layers/", "parallel/", "examples/")) for n in names)
+    # pip builds in ROOT/build, and setuptools never removes a module deleted from the source
+    # since the last build (moepar/checkpoint.py, now a package): the wheel would ship it
+    folders = {"moepar/layers/": "layers/", "moepar/parallel/": "parallel/",
+               "moepar/examples/": "examples/"}
+    for name in sorted(n for n in names if n.endswith(".py")):
+        src = next((name.replace(w, s, 1) for w, s in folders.items() if name.startswith(w)), name)
+        assert (ROOT / src).is_file(), f"the wheel carries {name}, which has no {src}: " \
+                                       f"a stale file in {ROOT / 'build'} (delete that folder)"
     metadata = zipfile.ZipFile(wheel).read(
         next(n for n in names if n.endswith(".dist-info/METADATA"))).decode()
     requires = {line.split(": ", 1)[1] for line in metadata.splitlines()
