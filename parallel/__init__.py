@@ -13,6 +13,8 @@ from typing import Callable
 
 import torch
 
+from moepar.layers.experts import GroupedExperts
+
 from .checkpointing import apply_activation_checkpointing, apply_recompute
 from .ddp import OverlappedReducer
 from .dims import Layout, ParallelDims
@@ -20,6 +22,7 @@ from .expert import apply_ep
 from .handle import LocalRunner, ParallelModel, materialize
 from .pipeline import build_stage
 from .pipeline_runner import PipelineRunner
+from .schedules import peak_in_flight
 from .tensor import apply_tp
 from .zero import FullyShardedSync, ShardedAdamW, ZeroReducer
 
@@ -82,6 +85,15 @@ def parallelize(model, layout: Layout, options: Options) -> ParallelModel:
     else:
         runner = LocalRunner(model, options.num_micro, handle.loss_fn, handle.autocast,
                              balance_group=layout.group("dp"))
+    if options.compute_dtype is not None and p.zero < 3 and peak_in_flight(runner.order) > 1:
+        # Several micro-batches in flight here, each keeping its own cast of the weights: one
+        # shared cast per step instead (ParallelModel.step_scope). With one in flight, each
+        # micro-batch's copies go as its backward passes them, so that stays. (ZeRO-3's FSDP2
+        # gathers the weights in bf16 and frees them after use.)
+        for m in model.modules():
+            if isinstance(m, GroupedExperts):
+                m.casts = handle.casts
+        runner.step_scope, runner.backward_scope = handle.step_scope, handle.backward_scope
     handle.attach(sync, optimizer, runner)
     return handle
 

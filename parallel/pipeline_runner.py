@@ -100,13 +100,17 @@ class PipelineRunner:
                  autocast=contextlib.nullcontext, wire_dtype: torch.dtype | None = None,
                  balance_group=None):
         self.stage, self.group, self.num_micro, self.loss_fn = stage, pp_group, num_micro, loss_fn
+        # Around the whole step, and each backward (ParallelModel.step_scope: one weight cast
+        # per step, shared by the micro-batches in flight); parallelize sets them.
+        self.step_scope = self.backward_scope = contextlib.nullcontext
         self.balance_group, self.balance_values = balance_group, []
         cfg, E = stage.router_cfg, stage.cfg.num_experts
         # all_layers: sizes of the sums sent with hidden states and of the coefficient sent back.
         self.balance_sizes = {"acts": 2 * E + 1, "grads": E} if (
             cfg.deferred_balance and cfg.balance_loss == "all_layers") else None
-        # Entered around each forward and its loss only: backward must not run under autocast
-        # (it would recompute fp32 regions such as the router's backward in the autocast dtype).
+        # Entered around each forward and its loss; backward must not run under autocast (it
+        # would recompute fp32 regions such as the router's backward in the autocast dtype),
+        # hence backward_scope inside step_scope's region.
         self.autocast = autocast
         pp, virtual = stage.pp, stage.virtual
         self.device = next(stage.parameters()).device
@@ -197,7 +201,7 @@ class PipelineRunner:
         keep, works = [], []   # tensors being sent (alive until their send completes), sends
         self.step_start = time.perf_counter()
         self.clock.begin()
-        with torch.no_grad() if forward_only else contextlib.nullcontext():
+        with torch.no_grad() if forward_only else contextlib.nullcontext(), self.step_scope():
             for step in range(len(grid[0])):
                 ops, recvs = [], []
                 action = grid[self.me][step]
@@ -347,10 +351,11 @@ class PipelineRunner:
     def _backward(self, action: Action):
         state, (c, n) = self._state, action[1:]
         x, out = state["saved"].pop((c, n))
-        if c == self.num_chunks - 1:
-            out.backward()
-        else:
-            torch.autograd.backward(out, state["grads"].pop((c, n)))
+        with self.backward_scope():
+            if c == self.num_chunks - 1:
+                out.backward()
+            else:
+                torch.autograd.backward(out, state["grads"].pop((c, n)))
         del out
         if c == 0:
             return None

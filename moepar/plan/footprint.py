@@ -10,7 +10,7 @@ buffers, the backward's transient peak, and a fixed framework overhead.
 | grad_accum     | ZeRO-3 with > 1 micro-batch: FSDP2 accumulates unsharded gradients (the     |
 |                | bytes beyond the sharded ones)                                              |
 | activations    | in-flight micro-batches x saved bytes of this rank's layers (+ embedding,   |
-|                | head) and the bf16 weight copies autocast keeps per micro-batch             |
+|                | head), and the bf16 weight copies: one per weight per step                  |
 | moe_dispatch   | in-flight x the expert rows' saved bytes (capacity or imbalance factor)     |
 | recompute      | one region's activations, rebuilt in backward                               |
 | comm_buffers   | ZeRO-0/2 flat gradient copies (ZeRO-2: at most IN_FLIGHT + 1 buckets of     |
@@ -101,8 +101,9 @@ def rank_footprint(cfg, dims, rank: int, spec: ActSpec, *, num_micro: int, sched
     t_bytes = spec.local_tokens * model.dim * spec.r           # one hidden state slice
     activations = alive * share * sums["saved"] + head_alive * head["saved"]
     activations += (alive if first else 0) * embed_bytes(model, spec)
-    # bf16 weight copies: one set per micro-batch in flight (each forward casts again)
-    activations += alive * share * sums["weights"] + head_alive * head["weights"]
+    # bf16 weight copies: one set, shared by the micro-batches in flight (a rank with several
+    # casts once per step, parallel/handle.py step_scope; with one, each micro-batch's go)
+    activations += sums["weights"] + head["weights"]
     out = dict.fromkeys(ITEMS, 0.0)
     out.update(params=static["params"], grads=static["grads"], optimizer=static["optimizer"],
                activations=activations, moe_dispatch=alive * share * sums["rows"],
@@ -113,8 +114,9 @@ def rank_footprint(cfg, dims, rank: int, spec: ActSpec, *, num_micro: int, sched
     grad = max((v["grad"] for v in per_kind.values()), default=0.0)
     held = 0.0      # the local loop drops the logits before backward, as the pipeline does
     loss = _loss_working_set(model, spec, dims.pp) if last else 0.0
-    # The micro-batch being backwarded has freed its loss (and head) by the time its layers run.
-    head_one = head["saved"] + head["weights"]
+    # The micro-batch being backwarded has freed its loss and head by the time its layers run
+    # (the head's weight copy too, unless it is shared for the step).
+    head_one = head["saved"] + (head["weights"] if alive == 1 else 0.0)
     layer_phase = region + grad + (held if region else 0.0) - head_one
     working = max(loss, layer_phase)
     out["recompute"] = min(region, working)

@@ -135,6 +135,19 @@ def test_pipeline_on_nccl_with_a_short_timeout(tmp_path):
 
 
 @two_gpus()
+@pytest.mark.parametrize("recompute", ["none", "full"])
+def test_bfloat16_pipeline_sharing_weight_casts_on_nccl(tmp_path, recompute):
+    """pp 2 in bf16: rank 0 (two micro-batches in flight) casts each weight once per step and
+    runs backward, and full recompute, on CUDA's autograd threads (whose autocast cache is their
+    own) with those shared casts: the losses of one GPU, to bf16 precision."""
+    args = ["--train.dtype=bfloat16", f"--train.recompute={recompute}"]
+    one = _torchrun(tmp_path / "one", 1, *args)
+    two = _torchrun(tmp_path / "pp", 2, "--parallel.pp=2", *args)
+    for a, b in zip(one, two, strict=True):
+        assert math.isclose(a["loss"], b["loss"], rel_tol=2e-2)
+
+
+@two_gpus()
 @pytest.mark.parametrize("zero", [1, 2, 3])
 def test_zero_in_bfloat16_on_nccl_against_zero0(tmp_path, zero):
     base = _torchrun(tmp_path / "z0", 2, "--parallel.ep=2", "--train.dtype=bfloat16")
