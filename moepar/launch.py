@@ -15,10 +15,10 @@ launcher die with it (Linux: PR_SET_PDEATHSIG), so a killed launcher leaves no o
 | 0    | trained to train.steps (the last step is saved)                                |
 | 1    | failed: a worker error, an unreadable checkpoint or data file, a timeout       |
 | 2    | refused to start, nothing changed: a config error, run.dir in use or holding   |
-|      | another run, nothing to resume, a resume that would change the run or replay   |
-|      | a recorded divergence (run.dir/diverged.json)                                  |
+|      | another run, nothing to resume, a resume that would change the run             |
 | 3    | diverged: non-finite loss or grad norm for more than train.max_skipped_steps   |
-|      | steps in a row (or once with on_nonfinite='stop'), or non-finite parameters    |
+|      | steps in a row (or once with on_nonfinite='stop'), or non-finite parameters;   |
+|      | or a start refused because it would replay that (run.dir/diverged.json)        |
 | 75   | preempted: SIGTERM; every rank finished the same step and saved it (75 is      |
 |      | EX_TEMPFAIL: requeue, and continue with --run.resume=true)                     |
 """

@@ -24,7 +24,8 @@ import time
 
 __all__ = ["RunDirError", "RunLock", "LOCK_FILE", "LAUNCHER_ENV", "previous_run_files",
            "describe_checkpoints", "plan_start", "write_config", "config_changes",
-           "HARMLESS_CHANGES", "DIVERGED_FILE", "record_divergence", "refuse_replay"]
+           "HARMLESS_CHANGES", "DIVERGED_FILE", "record_divergence", "refuse_replay",
+           "DivergenceReplay"]
 
 LOCK_FILE = "run.lock"
 LAUNCHER_ENV = "MOEPAR_RUN_LOCK_PID"     # set by `moepar train --nproc`: the launcher holds it
@@ -36,6 +37,10 @@ RUN_FILES = ("config.toml", "metrics.jsonl", "expert_load.jsonl", "tb", "checkpo
 class RunDirError(ValueError):
     """This start may not use run.dir as asked: it is in use, holds another run's files, or the
     checkpoint to resume from is missing or belongs to a different run. Nothing was changed."""
+
+
+class DivergenceReplay(RunDirError):
+    """This start would replay a divergence recorded in run.dir (see refuse_replay)."""
 
 
 class RunLock:
@@ -221,14 +226,16 @@ def record_divergence(run_dir: str, step: int, reason: str, config: dict):
 
 
 def refuse_replay(run, resume_path: str | None, current: dict):
-    """RunDirError when this start would replay a recorded divergence: it resumes from a
+    """DivergenceReplay when this start would replay a recorded divergence: it resumes from a
     checkpoint no later than the diverged step (or starts over) and its config differs from the
-    diverged run's in none but replay-neutral keys. An asked overwrite replaces the record."""
+    diverged run's in none but replay-neutral keys. A fresh start asked to overwrite replaces
+    the record (a resume keeps it, whatever run.overwrite deletes of later checkpoints: an
+    elastic job restarted with the same flags must still not replay)."""
     from moepar.checkpoint import checkpoint_step
     path = os.path.join(run.dir, DIVERGED_FILE)
     if not os.path.exists(path):
         return
-    if run.overwrite:
+    if run.overwrite and resume_path is None:
         os.remove(path)
         return
     try:
@@ -249,9 +256,10 @@ def refuse_replay(run, resume_path: str | None, current: dict):
     if changed:
         return
     where = f"resuming from step {start}" if resume_path else "starting over"
-    raise RunDirError(f"not retrying a divergence: {where} with the same config would replay "
-                      f"step {step}, where the run diverged ({record.get('time', '?')}; {path}): "
-                      f"{reason}. Change what that advice says, or delete {path} to try anyway")
+    raise DivergenceReplay(f"not retrying a divergence: {where} with the same config would "
+                           f"replay step {step}, where the run diverged "
+                           f"({record.get('time', '?')}; {path}): {reason}. Change what that "
+                           f"advice says, or delete {path} to try anyway")
 
 
 def write_config(cfg, config_path: str | None = None) -> bool:

@@ -42,15 +42,21 @@ from moepar.metrics import MetricsWriter, StepStats
 from moepar.parallel.handle import local_tensor
 from moepar.plan.memory import param_count
 from moepar.progress import Progress, params_text
-from moepar.rundir import (RunDirError, RunLock, config_changes, launcher_holds_lock, plan_start,
-                           record_divergence, refuse_replay, write_config)
+from moepar.rundir import (DivergenceReplay, RunDirError, RunLock, config_changes,
+                           launcher_holds_lock, plan_start, record_divergence, refuse_replay,
+                           write_config)
 
-__all__ = ["Trainer", "lr_at", "NonFiniteError", "Preempted"]
+__all__ = ["Trainer", "lr_at", "NonFiniteError", "ReplayRefused", "Preempted"]
 
 class NonFiniteError(RuntimeError):
     """The run diverged: a NaN or Inf loss or grad norm (with train.on_nonfinite='stop', or more
     than train.max_skipped_steps steps in a row), or non-finite parameters after an update.
     Raised on every rank at the same step."""
+
+
+class ReplayRefused(NonFiniteError):
+    """The start would replay a divergence recorded in run.dir (rundir.refuse_replay): the run is
+    still diverged (exit 3), nothing was changed. Raised on every rank before training."""
 
 
 class Preempted(Exception):
@@ -186,7 +192,7 @@ class Trainer:
         mix up a previous run's files. Rank 0 decides, under the lock; all ranks agree. Rank 0's
         file work here is renames only (deletions go to a background thread), so the others
         never wait long in the broadcast."""
-        error, path = None, None
+        error, replay, path = None, False, None
         if self.rank == 0:
             try:
                 for message in recover_interrupted(self.ckpt_root):
@@ -197,10 +203,10 @@ class Trainer:
                 for step in doomed:        # asked for by --run.overwrite
                     self.discarding.append(discard(os.path.join(self.ckpt_root, f"step_{step}")))
             except (RunDirError, OSError) as e:
-                error = str(e)
-        error, path = self._from_rank0((error, path))
+                error, replay = str(e), isinstance(e, DivergenceReplay)
+        error, replay, path = self._from_rank0((error, replay, path))
         if error:
-            raise RunDirError(error)
+            raise (ReplayRefused if replay else RunDirError)(error)
         return path
 
     def _barrier(self):
@@ -420,11 +426,15 @@ class Trainer:
                         raise Preempted(self.step, path)
                 self.finish_save()
         except NonFiniteError as e:
-            if self.rank == 0:     # so that a restart does not replay it (rundir.refuse_replay)
-                try:
-                    record_divergence(cfg.run.dir, self.step, str(e), to_dict(cfg))
-                except OSError as err:     # the divergence is the news, not the record
-                    self.log(f"warning: could not record the divergence in {cfg.run.dir}: {err}")
+            # So that a restart does not replay it (rundir.refuse_replay); a SIGTERM now (the
+            # elastic agent stopping this worker once another has exited) waits for the record.
+            if self.rank == 0:
+                with _StopOnSignal(self):
+                    try:
+                        record_divergence(cfg.run.dir, self.step, str(e), to_dict(cfg))
+                    except OSError as err:     # the divergence is the news, not the record
+                        self.log(f"warning: could not record the divergence in {cfg.run.dir}: "
+                                 f"{err}")
             raise
         finally:
             if writer is not None:

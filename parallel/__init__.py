@@ -85,11 +85,13 @@ def parallelize(model, layout: Layout, options: Options) -> ParallelModel:
     else:
         runner = LocalRunner(model, options.num_micro, handle.loss_fn, handle.autocast,
                              balance_group=layout.group("dp"))
-    if options.compute_dtype is not None and p.zero < 3 and peak_in_flight(runner.order) > 1:
+    if options.compute_dtype is not None and p.zero < 3 and options.recompute == "none" \
+            and peak_in_flight(runner.order) > 1:
         # Several micro-batches in flight here, each keeping its own cast of the weights: one
         # shared cast per step instead (ParallelModel.step_scope). With one in flight, each
-        # micro-batch's copies go as its backward passes them, so that stays. (ZeRO-3's FSDP2
-        # gathers the weights in bf16 and frees them after use.)
+        # micro-batch's copies go as its backward passes them, so that stays; recompute drops a
+        # region's casts after its forward (a step-long cast would hold them), and ZeRO-3's
+        # FSDP2 gathers the weights in bf16 and frees them after use.
         for m in model.modules():
             if isinstance(m, GroupedExperts):
                 m.casts = handle.casts

@@ -24,9 +24,9 @@ the compute dtype (2 under bfloat16 autocast, else r).
 |                      | un-sorted expert outputs t*K*D and weights t*K (fp32)                     |
 | experts (rows R)     | R*(D + 2Fe + Fe + Fe) in the compute dtype                                |
 | shared experts       | like a dense FFN on t tokens (+ its input cast and gate under autocast)   |
-| bf16 weight copies   | every matmul weight cast once per step, shared by the micro-batches in    |
-|                      | flight (ParallelModel.step_scope) (not under ZeRO-3: FSDP gathers bf16    |
-|                      | weights and frees them after forward)                                     |
+| bf16 weight copies   | autocast casts every matmul weight in each forward and the micro-batch    |
+|                      | keeps them (footprint.py: shared once per step by a rank with several in  |
+|                      | flight and no recompute); not under ZeRO-3 (FSDP gathers bf16 weights)    |
 | embedding / head     | token ids; final norm, head input, fp32 log-softmax T*Vl (and targets)    |
 
 Recompute: "full" keeps each block's input only (t*D*r); "attention" keeps the attention

@@ -10,7 +10,7 @@ buffers, the backward's transient peak, and a fixed framework overhead.
 | grad_accum     | ZeRO-3 with > 1 micro-batch: FSDP2 accumulates unsharded gradients (the     |
 |                | bytes beyond the sharded ones)                                              |
 | activations    | in-flight micro-batches x saved bytes of this rank's layers (+ embedding,   |
-|                | head), and the bf16 weight copies: one per weight per step                  |
+|                | head), and the bf16 weight copies (shared when several are in flight)      |
 | moe_dispatch   | in-flight x the expert rows' saved bytes (capacity or imbalance factor)     |
 | recompute      | one region's activations, rebuilt in backward                               |
 | comm_buffers   | ZeRO-0/2 flat gradient copies (ZeRO-2: at most IN_FLIGHT + 1 buckets of     |
@@ -101,9 +101,12 @@ def rank_footprint(cfg, dims, rank: int, spec: ActSpec, *, num_micro: int, sched
     t_bytes = spec.local_tokens * model.dim * spec.r           # one hidden state slice
     activations = alive * share * sums["saved"] + head_alive * head["saved"]
     activations += (alive if first else 0) * embed_bytes(model, spec)
-    # bf16 weight copies: one set, shared by the micro-batches in flight (a rank with several
-    # casts once per step, parallel/handle.py step_scope; with one, each micro-batch's go)
-    activations += sums["weights"] + head["weights"]
+    # bf16 weight copies: a rank with several micro-batches in flight and no recompute casts
+    # once per step and they share the copy (parallel/__init__.py, handle.py step_scope);
+    # otherwise each micro-batch in flight keeps its own (recompute: only outside its regions)
+    shared = alive > 1 and spec.recompute == "none"
+    activations += (sums["weights"] + head["weights"] if shared else
+                    alive * share * sums["weights"] + head_alive * head["weights"])
     out = dict.fromkeys(ITEMS, 0.0)
     out.update(params=static["params"], grads=static["grads"], optimizer=static["optimizer"],
                activations=activations, moe_dispatch=alive * share * sums["rows"],
@@ -116,7 +119,7 @@ def rank_footprint(cfg, dims, rank: int, spec: ActSpec, *, num_micro: int, sched
     loss = _loss_working_set(model, spec, dims.pp) if last else 0.0
     # The micro-batch being backwarded has freed its loss and head by the time its layers run
     # (the head's weight copy too, unless it is shared for the step).
-    head_one = head["saved"] + (head["weights"] if alive == 1 else 0.0)
+    head_one = head["saved"] + (0.0 if shared else head["weights"])
     layer_phase = region + grad + (held if region else 0.0) - head_one
     working = max(loss, layer_phase)
     out["recompute"] = min(region, working)

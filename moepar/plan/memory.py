@@ -53,10 +53,10 @@ def _attention(cfg, tp: int) -> list[tuple[tuple, bool]]:
         return out
     d, G = cfg.head_dim_resolved, cfg.num_kv_heads
     kv_heads = G // tp if G >= tp else 1
-    out += [((H * d // tp, D), True), ((kv_heads * d, D), True), ((kv_heads * d, D), True),
-            ((D, H * d // tp), True)]
-    if cfg.attention_bias:
-        out += [((H * d // tp,), True), ((kv_heads * d,), True), ((kv_heads * d,), True)]
+    # registration order (gradient buckets follow it): each projection's weight, then its bias
+    for rows in (H * d // tp, kv_heads * d, kv_heads * d):
+        out += [((rows, D), True)] + ([((rows,), True)] if cfg.attention_bias else [])
+    out += [((D, H * d // tp), True)]
     if cfg.qk_norm == "head":
         out += [((d,), False), ((d,), False)]
     elif cfg.qk_norm == "full":

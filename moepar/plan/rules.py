@@ -29,17 +29,18 @@ How moepar plan chooses (each rule is a constraint of the search or a cost in it
 4. ZeRO when optimizer state dominates. moepar keeps float32 parameters (bfloat16 comes from
    autocast): 4 bytes of parameters, 4 of gradients and 8 of AdamW state per element. ZeRO-1
    shards the state over dp (dense) and edp (experts) for one all-gather of the parameters per
-   step; ZeRO-2 also shards the gradients between steps (a reduce-scatter every micro-batch;
-   its flat gradient copies still peak like ZeRO-1's); ZeRO-3 shards the parameters too,
+   step; ZeRO-2 also shards the gradients between steps (a reduce-scatter every micro-batch,
+   with at most three buckets' flat gradient copies in flight); ZeRO-3 shards the parameters too,
    all-gathering them in every forward and backward and accumulating unsharded gradients over
    the micro-batches of a step.
 5. Recompute trades compute for activations: full recompute keeps each block's input only and
    adds one forward (about a third more compute); "attention" and "experts" rebuild only those
    regions (train.recompute).
-6. Under bfloat16 autocast every micro-batch in flight keeps its own bf16 copy of its stage's
-   matmul weights (autocast casts them again in each forward, and backward needs them), unless
-   ZeRO-3 gathers the weights in bf16 and frees them after forward, or full recompute drops
-   them. Deep pipelines at ZeRO 0-2 pay it once per micro-batch in flight.
+6. Under bfloat16 autocast each micro-batch keeps a bf16 copy of the matmul weights it used
+   (backward needs them), except that a pipeline rank with several micro-batches in flight and
+   no recompute casts once per step and shares that copy; recompute drops the copies of its
+   regions after their forward, and ZeRO-3 gathers the weights in bf16 and frees them after
+   use.
 7. Among the layouts that fit, the fastest step wins; ties go to less memory."""
 
 

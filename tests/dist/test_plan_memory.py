@@ -213,7 +213,9 @@ def case_buckets(run_dir: str, overrides: list[str]):
 
 
 @pytest.mark.parametrize("extra", [["--parallel.ep=2"], ["--parallel.pp=2", "--parallel.dp=1"],
-                                   ["--parallel.tp=2", "--parallel.dp=1", *MLA]])
+                                   ["--parallel.tp=2", "--parallel.dp=1", *MLA],
+                                   ["--model.attention_bias=true", "--model.qk_norm=head",
+                                    "--model.num_shared_experts=1", "--model.shared_gate=true"]])
 def test_planned_gradient_buckets_are_the_reducers(worlds, tmp_path, extra):
     """ZeRO-2's flat copies in flight are a window of buckets (parallel/zero.py); the planner
     forms the buckets from shapes alone, and they are the reducer's, element for element."""

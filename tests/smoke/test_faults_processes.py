@@ -203,13 +203,13 @@ def test_a_rank_that_stops_answering_fails_its_peer_within_the_timeout(tmp_path)
 def test_an_elastic_job_does_not_replay_its_divergence(tmp_path):
     """--max-restarts 2 on a run that diverges in step 1 (AdamW eps=0): torch's agent restarts
     the workers twice; each restart is refused at once (nothing trains again) and the job ends
-    with the refusal's code, not the launcher's 1 for a worker stopped by the agent."""
+    with exit 3, not the launcher's 1 for a worker stopped by the agent."""
     run_dir = tmp_path / "run"
     cfg = config_file(tmp_path, run_dir, "--train.steps=4", "--train.eps=0", "--run.log_every=1")
     result = subprocess.run([sys.executable, "-m", "moepar", "train", cfg, "--nproc", "2",
                              "--parallel.ep=2", "--max-restarts", "2", "--run.resume=auto"],
                             env=ENV, capture_output=True, text=True, timeout=240)
-    assert result.returncode == 2, result.stderr[-3000:]
+    assert result.returncode == 3, result.stderr[-3000:]
     assert result.stdout.count("step     1/4") == 1, result.stdout[-3000:]
     # two ranks per attempt, two restarts
     assert result.stderr.count("not retrying a divergence: starting over") == 4, result.stderr[-3000:]

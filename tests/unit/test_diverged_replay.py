@@ -1,6 +1,7 @@
 """A divergence is recorded in run.dir/diverged.json and a start that would replay it (same
 config up to layout and reporting, from a checkpoint no later than the diverged step) is
-refused, as torch's elastic agent would otherwise restart it up to --max-restarts times."""
+refused with exit 3, as torch's elastic agent would otherwise restart it up to --max-restarts
+times."""
 
 import json
 
@@ -10,7 +11,7 @@ from torch.distributed.elastic.multiprocessing.errors import ChildFailedError, P
 from configs import tiny_config
 from moepar import launch
 from moepar.rundir import DIVERGED_FILE, RunDirError
-from moepar.train import NonFiniteError, Trainer
+from moepar.train import NonFiniteError, ReplayRefused, Trainer
 from test_faults_run import config_file, poison_from, quiet
 
 
@@ -28,7 +29,7 @@ def test_a_divergence_before_any_checkpoint_is_not_started_over(tmp_path, capsys
     assert record["step"] == 1 and "made parameters non-finite" in record["reason"]
     assert record["config"]["train"]["eps"] == 0
     capsys.readouterr()
-    assert launch.main([cfg, "--run.resume=auto", "--parallel.timeout_s=77"]) == launch.EXIT_REFUSED
+    assert launch.main([cfg, "--run.resume=auto", "--parallel.timeout_s=77"]) == launch.EXIT_DIVERGED
     err = capsys.readouterr().err
     assert "not retrying a divergence: starting over with the same config would replay step 1" \
         in err, err
@@ -48,9 +49,15 @@ def test_a_resume_before_the_diverged_step_is_refused_unless_the_config_changes(
     assert json.loads((tmp_path / DIVERGED_FILE).read_text())["step"] == 5
     # The same run resumed (step 4), also with other reporting: the same steps again.
     for extra in ([], ["--run.log_every=3"]):
-        with pytest.raises(RunDirError, match="resuming from step 4 with the same config would "
-                                              "replay step 5"):
+        with pytest.raises(ReplayRefused, match="resuming from step 4 with the same config "
+                                                "would replay step 5"):
             Trainer(tiny_config(tmp_path, *base, "--run.resume=true", *extra), log=quiet)
+    # Asking to overwrite later checkpoints does not drop the record of a resume (an elastic
+    # job restarts with the same flags); only a fresh start over the old run does.
+    with pytest.raises(ReplayRefused):
+        Trainer(tiny_config(tmp_path, *base, "--run.resume=true", "--run.overwrite=true"),
+                log=quiet)
+    assert (tmp_path / DIVERGED_FILE).exists()
     # A changed optimization, or bad-step policy, is another attempt: it resumes.
     for extra in (["--train.lr=1e-3", "--run.allow_changes=train.lr"],
                   ["--train.max_skipped_steps=5"]):
