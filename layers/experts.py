@@ -62,8 +62,8 @@ class CastCache:
     that `torch._grouped_mm` takes (autocast does not cover it, so each call would cast again).
     A training loop that runs a whole step in one autocast region clears it when the step ends;
     every micro-batch then shares one copy (and its one cast node in autograd), instead of each
-    micro-batch casting and keeping its own. Entries are keyed by the weight, its version
-    (an in-place update misses) and grad mode (a cast made under no_grad has no graph)."""
+    micro-batch casting and keeping its own. Entries are keyed by the weight and grad mode (a
+    cast made under no_grad has no graph); whoever updates the weights clears it first."""
 
     def __init__(self):
         self._casts = {}
@@ -73,7 +73,7 @@ class CastCache:
         if not torch.is_autocast_enabled(device) or w.dtype != torch.float32:
             return w
         dtype = torch.get_autocast_dtype(device)
-        key = (id(w), w._version, torch.is_grad_enabled(), dtype)
+        key = (id(w), torch.is_grad_enabled(), dtype)
         hit = self._casts.get(key)
         if hit is None or hit[0] is not w:
             hit = self._casts[key] = (w, w.to(dtype))
