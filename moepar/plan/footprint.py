@@ -10,7 +10,7 @@ buffers, the backward's transient peak, and a fixed framework overhead.
 | grad_accum     | ZeRO-3 with > 1 micro-batch: FSDP2 accumulates unsharded gradients (the     |
 |                | bytes beyond the sharded ones)                                              |
 | activations    | in-flight micro-batches x saved bytes of this rank's layers (+ embedding,   |
-|                | head), and the bf16 weight copies (shared when several are in flight)      |
+|                | head), and the bf16 weight copies (shared when several are in flight)       |
 | moe_dispatch   | in-flight x the expert rows' saved bytes (capacity or imbalance factor)     |
 | recompute      | one region's activations, rebuilt in backward                               |
 | comm_buffers   | ZeRO-0/2 flat gradient copies (ZeRO-2: at most IN_FLIGHT + 1 buckets of     |
@@ -145,7 +145,7 @@ def rank_footprint(cfg, dims, rank: int, spec: ActSpec, *, num_micro: int, sched
             sizes = bucket_sizes(model, dims, rank, bucket_mb * 2 ** 20, spec.r, virtual,
                                  pp_layers)
             k = ZeroReducer.IN_FLIGHT + 1
-            window = max(sum(sizes[i:i + k]) for i in range(len(sizes)))
+            window = max((sum(sizes[i:i + k]) for i in range(len(sizes))), default=0)
         flats, gathered = _sync_buffers(spec, elements, wire_bytes or spec.r, len(layers),
                                         window)
         # (interleaved: the step's last backward covers one chunk; the others' buckets are
