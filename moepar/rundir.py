@@ -248,12 +248,8 @@ def refuse_replay(run, resume_path: str | None, current: dict):
     start = checkpoint_step(resume_path) if resume_path else 0
     if start is None or start > step:
         return
-    old = _flatten(saved) if isinstance(saved, dict) else {}
-    new = _flatten(json.loads(json.dumps(current)))    # lists, as the record holds them
-    changed = [key for key in sorted(set(old) & set(new)) if old[key] != new[key]
-               and not any(key == n or (n.endswith(".") and key.startswith(n))
-                           for n in _REPLAY_NEUTRAL)]
-    if changed:
+    changes = _changes(saved if isinstance(saved, dict) else {}, current)
+    if any(_covering(key, _REPLAY_NEUTRAL) is None for key, _, _ in changes):
         return
     where = f"resuming from step {start}" if resume_path else "starting over"
     raise DivergenceReplay(f"not retrying a divergence: {where} with the same config would "
@@ -304,27 +300,40 @@ def _flatten(tree: dict) -> dict:
             if isinstance(values, dict) for key, value in values.items()}
 
 
+def _covering(key: str, names) -> str | None:
+    """The entry of `names` (a key, or a section ending in '.') that covers `key`, or None."""
+    return next((n for n in names if key == n or (n.endswith(".") and key.startswith(n))), None)
+
+
 def _harmless(key: str) -> str | None:
-    return HARMLESS_CHANGES.get(key) or next(
-        (why for prefix, why in HARMLESS_CHANGES.items()
-         if prefix.endswith(".") and key.startswith(prefix)), None)
+    name = _covering(key, HARMLESS_CHANGES)
+    return None if name is None else HARMLESS_CHANGES[name]
+
+
+def _changes(saved: dict, current: dict) -> list[tuple]:
+    """(key, old, new) for every key both configs hold with different values (lists and tuples
+    compare by items: a config read back from JSON or TOML has lists). Keys missing on either
+    side (older or newer moepar) are not compared."""
+    old, new = _flatten(saved), _flatten(current)
+    out = []
+    for key in sorted(set(old) & set(new)):
+        a, b = old[key], new[key]
+        if not (a == b or (isinstance(a, list | tuple) and isinstance(b, list | tuple)
+                           and list(a) == list(b))):
+            out.append((key, a, b))
+    return out
 
 
 def config_changes(saved: dict | None, current: dict, allowed: list[str], where: str) -> list[str]:
     """Compares a checkpoint's config with this run's; returns lines describing accepted changes,
-    raises RunDirError naming every change that alters the run and is not in `allowed`. Keys
-    missing on either side (older or newer moepar) are not compared."""
+    raises RunDirError naming every change that alters the run and is not in `allowed` (see
+    _changes for what counts as one)."""
     if saved is None:
         return []
     if not isinstance(saved, dict):
         raise RunDirError(f"{where}: state.json holds no readable config to compare with")
-    old, new = _flatten(saved), _flatten(current)
     notes, refused = [], []
-    for key in sorted(set(old) & set(new)):
-        a, b = old[key], new[key]
-        if a == b or (isinstance(a, list | tuple) and isinstance(b, list | tuple)
-                      and list(a) == list(b)):
-            continue
+    for key, a, b in _changes(saved, current):
         change = f"{key} {a!r} -> {b!r}"
         why = _harmless(key)
         if why:

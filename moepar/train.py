@@ -197,9 +197,9 @@ class Trainer:
             try:
                 for message in recover_interrupted(self.ckpt_root):
                     self.log(f"checkpoints: {message}")
-                path, doomed = plan_start(self.cfg.run, self.ckpt_root, self.config_path,
-                                          to_dict(self.cfg))
-                refuse_replay(self.cfg.run, path, to_dict(self.cfg))
+                current = to_dict(self.cfg)
+                path, doomed = plan_start(self.cfg.run, self.ckpt_root, self.config_path, current)
+                refuse_replay(self.cfg.run, path, current)
                 for step in doomed:        # asked for by --run.overwrite
                     self.discarding.append(discard(os.path.join(self.ckpt_root, f"step_{step}")))
             except (RunDirError, OSError) as e:
