@@ -61,8 +61,6 @@ class LocalRunner:
 
     def __init__(self, model, num_micro: int, loss_fn, autocast, balance_group=None):
         self.model, self.num_micro, self.loss_fn, self.autocast = model, num_micro, loss_fn, autocast
-        # Around the step and each backward (ParallelModel.step_scope); parallelize sets them.
-        self.step_scope = self.backward_scope = contextlib.nullcontext
         self.order = [Action(kind, 0, n) for n in range(num_micro) for kind in "FB"]
         self.loss_scale = 1.0
         self.balance_group = balance_group
@@ -77,37 +75,30 @@ class LocalRunner:
         loss_sum = torch.zeros((), dtype=torch.float64, device=device)
         outputs, self.balance_values = [], []
         step = None if forward_only else step_balance(self.model, self.balance_group, device)
-        with self.step_scope():
-            for n in range(self.num_micro if limit is None else limit):
-                self._micro(n, inputs, targets, device, step, forward_only, loss_sum, outputs,
-                            before_action, after_action)
-        return loss_sum, outputs
-
-    def _micro(self, n, inputs, targets, device, step, forward_only, loss_sum, outputs,
-               before_action, after_action):
-        inputs_BS = inputs[n].to(device, non_blocking=True)
-        targets_BS = targets[n].to(device, non_blocking=True)
-        holder = None if step is None else MicroBalance()
-        with self.autocast(), torch.no_grad() if forward_only else contextlib.nullcontext():
-            logits, moe_outputs = (self.model(inputs_BS) if holder is None
-                                   else self.model(inputs_BS, holder))
-            loss = self.loss_fn(logits, targets_BS)
-        if forward_only:
-            loss_sum += loss
-            return
-        self.balance_values.append(None if step is None else step.finish(holder))
-        # Only statistics outlive the forward: the logits ([B, S, V], the largest activation)
-        # and the MoE outputs are not needed by backward and go before it runs.
-        outputs.append([_statistics_only(o) for o in moe_outputs])
-        del logits, moe_outputs
-        backward = Action("B", 0, n)
-        if before_action is not None:
-            before_action(backward)
-        with self.backward_scope():
+        for n in range(self.num_micro if limit is None else limit):
+            inputs_BS = inputs[n].to(device, non_blocking=True)
+            targets_BS = targets[n].to(device, non_blocking=True)
+            holder = None if step is None else MicroBalance()
+            with self.autocast(), torch.no_grad() if forward_only else contextlib.nullcontext():
+                logits, moe_outputs = (self.model(inputs_BS) if holder is None
+                                       else self.model(inputs_BS, holder))
+                loss = self.loss_fn(logits, targets_BS)
+            if forward_only:
+                loss_sum += loss
+                continue
+            self.balance_values.append(None if step is None else step.finish(holder))
+            # Only statistics outlive the forward: the logits ([B, S, V], the largest activation)
+            # and the MoE outputs are not needed by backward and go before it runs.
+            outputs.append([_statistics_only(o) for o in moe_outputs])
+            del logits, moe_outputs
+            backward = Action("B", 0, n)
+            if before_action is not None:
+                before_action(backward)
             (loss * self.loss_scale / self.num_micro).backward()
-        if after_action is not None:
-            after_action(backward)
-        loss_sum += loss.detach()
+            if after_action is not None:
+                after_action(backward)
+            loss_sum += loss.detach()
+        return loss_sum, outputs
 
 
 @dataclasses.dataclass
@@ -151,16 +142,14 @@ class ParallelModel:
 
     @contextlib.contextmanager
     def step_scope(self):
-        """Around one step's forwards and backwards, on a rank that keeps several micro-batches
-        in flight (pipelines; parallelize decides): each weight is cast to the compute dtype
-        once per step, not once per micro-batch, and the micro-batches in flight share it. Autocast keeps its casts of `F.linear` weights while its
-        outermost region lasts, so the step runs inside one (each forward enters its own inside
-        it; backward runs with autocast off, `backward_scope`); the grouped experts, which
-        autocast does not cover, share `casts` (layers/experts.py CastCache). Both are dropped
-        when the step ends, before the optimizer updates the weights."""
-        if self.compute_dtype is None:
-            yield
-            return
+        """Around one step's forwards and backwards, on a pipeline rank that keeps several
+        micro-batches in flight (parallelize decides; the runner enters it): each weight is cast
+        to the compute dtype once per step, not once per micro-batch, and the micro-batches in
+        flight share it. Autocast keeps its casts of `F.linear` weights while its outermost
+        region lasts, so the step runs inside one (each forward enters its own inside it;
+        backward runs with autocast off, `backward_scope`); the grouped experts, which autocast
+        does not cover, share `casts` (layers/experts.py CastCache). Both are dropped when the
+        step ends, before the optimizer updates the weights. (Installed only under autocast.)"""
         try:
             with self.autocast():
                 yield
@@ -168,8 +157,6 @@ class ParallelModel:
             self.casts.clear()
 
     def backward_scope(self):
-        if self.compute_dtype is None:
-            return contextlib.nullcontext()
         return torch.autocast(self.layout.device.type, enabled=False)
 
     def loss_fn(self, logits_BSV, targets_BS):
