@@ -92,6 +92,9 @@ def _moe(args, dtype, rank, dims, meshes, dispatcher="alltoall", dedup=False):
     return moe
 
 
+A2A_PARTS = ("total", "exposed", "peer_wait", "comm", "on_wire")   # seconds, see _a2a_times
+
+
 def _a2a_times(timer) -> dict:
     """The all-to-all seconds since the last reset, averaged over the ranks: `total`, `exposed`,
     and exposed parted into `peer_wait` (blocked until the last rank issued: load imbalance)
@@ -103,13 +106,12 @@ def _a2a_times(timer) -> dict:
     if len({len(i) for i in issues}) != 1:
         raise RuntimeError(f"the ranks issued different numbers of all-to-alls: "
                            f"{[len(i) for i in issues]}")
-    split = timer.split([max(times) for times in zip(*issues)])
-    names = ("total", "exposed", "peer_wait", "comm", "on_wire")
-    values = torch.tensor([timer.total, timer.exposed, split["peer_wait"], split["comm"],
-                           split["on_wire"]], dtype=torch.float64)
+    parts = {"total": timer.total, "exposed": timer.exposed,
+             **timer.split([max(times) for times in zip(*issues)])}
+    values = torch.tensor([parts[name] for name in A2A_PARTS], dtype=torch.float64)
     dist.all_reduce(values)
     timer.reset()
-    return dict(zip(names, (values / dist.get_world_size()).tolist()))
+    return dict(zip(A2A_PARTS, (values / dist.get_world_size()).tolist()))
 
 
 def bench_dispatch(args, dtype) -> dict:
@@ -139,7 +141,7 @@ def bench_dispatch(args, dtype) -> dict:
             with metered_all_to_all(bwd):
                 y.backward(grad)
             elapsed = time.perf_counter() - start
-            a2a = _a2a_times(timer) if timer is not None else dict.fromkeys(("total", "exposed"), 0.0)
+            a2a = _a2a_times(timer) if timer is not None else dict.fromkeys(A2A_PARTS, 0.0)
             if rep >= args.warmup:
                 times.append(elapsed)
                 shares.append(a2a["exposed"] / elapsed)
@@ -208,7 +210,7 @@ def bench_moe_layer_ep(args, dtype) -> dict:
             "paired_ratio_vs_ideal": paired_ratio(times, "moe", "ideal"),
             "a2a_chunks": moe.dispatcher.chunks,
             **{f"a2a_{key}_ms": statistics.median(1000 * s[key] for s in a2a)
-               for key in ("total", "exposed", "peer_wait", "comm", "on_wire")},
+               for key in A2A_PARTS},
             "a2a_exposed_share": statistics.median(s["exposed"] / s["total"] for s in a2a if s["total"]),
             "a2a_comm_share": statistics.median(s["comm"] / s["on_wire"] for s in a2a if s["on_wire"])}
 
