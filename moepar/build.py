@@ -54,9 +54,10 @@ def build_dims(cfg: RunConfig, world_size: int) -> ParallelDims:
     return dims
 
 
-def build_engine(cfg: RunConfig, layout, device, num_local_micro: int):
-    """The parallel model of `cfg` on `layout` (training, `moepar eval`): the whole model exists
-    only as shapes (meta); `parallelize` shards it and each rank allocates and draws its own."""
+def build_engine(cfg: RunConfig, layout, device, num_local_micro: int, materialize: bool = True):
+    """The parallel model of `cfg` on `layout` (training, `moepar eval`, the memory simulation):
+    the whole model exists only as shapes (meta); `parallelize` shards it and each rank
+    allocates and draws its own (`materialize=False`: the shards stay shapes)."""
     t = cfg.train
     with torch.device("meta"):
         model = Transformer(cfg.model, cfg.router, seed=t.seed)
@@ -64,5 +65,5 @@ def build_engine(cfg: RunConfig, layout, device, num_local_micro: int):
     options = Options(cfg.parallel, adamw_factory(t, fused=device.type == "cuda"),
                       num_micro=num_local_micro, vocab_size=cfg.model.vocab_size,
                       seq_len=t.seq_len, recompute=t.recompute,
-                      compute_dtype=_AUTOCAST.get(t.dtype), seed=t.seed)
+                      compute_dtype=_AUTOCAST.get(t.dtype), seed=t.seed, materialize=materialize)
     return parallelize(model, layout, options)

@@ -41,25 +41,17 @@ def _rank_bytes(engine, zero: int) -> dict:
 
 def simulate(cfg, world: int, ranks: list[int] | None = None) -> dict:
     """{'ranks': [per sampled rank: coords and bytes], ...} for `cfg` on a world of `world`."""
-    from moepar.layers import Transformer
-    from moepar.parallel import Options, parallelize
-    from moepar.build import PARAM_DTYPES, adamw_factory, build_dims
+    from moepar.build import build_dims, build_engine
     from .fakeworld import fake_process_group
     dims = build_dims(cfg, world)
     ranks = default_ranks(dims) if ranks is None else ranks
     out = []
     for rank in ranks:
         with fake_process_group(rank, world):
-            layout = dims.bind(rank, torch.device("cpu"))
-            with torch.device("meta"):
-                model = Transformer(cfg.model, cfg.router, seed=cfg.train.seed)
-            model = model.to(PARAM_DTYPES[cfg.train.dtype])
-            options = Options(cfg.parallel, adamw_factory(cfg.train),
-                              num_micro=cfg.train.num_micro_batches // dims.dp,
-                              vocab_size=cfg.model.vocab_size, seq_len=cfg.train.seq_len,
-                              materialize=False)
-            engine = parallelize(model, layout, options)
-            coords = layout.coords
+            device = torch.device("cpu")
+            engine = build_engine(cfg, dims.bind(rank, device), device,
+                                  cfg.train.num_micro_batches // dims.dp, materialize=False)
+            coords = engine.layout.coords
             out.append({"rank": rank, "pp": coords.pp, "dp": coords.dp, "tp": coords.tp,
                         "ep": coords.ep, "edp": coords.edp,
                         "moe_layers": [engine.moe_layer_ids[i] for i in engine.moe_indices],
