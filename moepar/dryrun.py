@@ -11,6 +11,7 @@ device), so a 671B-parameter config on 2048 ranks takes well under a second. An 
 ZeRO shards over the fewest ranks and each rank holds the most.
 """
 
+from moepar.build import PARAM_DTYPES, build_dims
 from moepar.config import to_toml
 from moepar.plan.memory import param_count, rank_memory, tensor_shapes
 from moepar.progress import count_text
@@ -24,7 +25,7 @@ def rank_kinds(cfg, dims) -> list[dict]:
     """Ranks grouped by what they hold: [{ranks, pp, memory (rank_memory)}], one per distinct
     breakdown, in rank order of their first member (with pp > 1, usually one per stage)."""
     p = cfg.parallel
-    element = 8 if cfg.train.dtype == "float64" else 4  # bf16/fp16 train fp32 parameters
+    element = PARAM_DTYPES[cfg.train.dtype].itemsize     # bf16/fp16 train fp32 parameters
     shapes = tensor_shapes(cfg.model, tp=dims.tp)
     kinds: dict[tuple, dict] = {}
     for rank in range(dims.world_size):
@@ -42,7 +43,6 @@ def dry_run(cfg, nproc: int, nodes=None) -> dict:
     """The dry run's numbers. `nodes`: the node counts of --nnodes (None: one node of nproc)."""
     import dataclasses
 
-    from moepar.build import build_dims
     counts = list(nodes) if nodes else [1]
     if nodes and not cfg.parallel.gpus_per_node:
         # the launcher will set LOCAL_WORLD_SIZE=nproc on every node: the same node size here
