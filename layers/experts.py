@@ -10,11 +10,12 @@ then up) so each expert costs two GEMMs, not three.
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.autograd.graph import get_gradient_edge
 
 from .grouped_mm import grouped_mm
 
 __all__ = ["ACTIVATIONS", "GroupedExperts", "FeedForward", "SharedExperts", "expert_ffn",
-           "CastCache"]
+           "CastCache", "defer_weight_grads"]
 
 ACTIVATIONS = ("swiglu", "gelu")
 
@@ -125,11 +126,121 @@ class GroupedExperts(nn.Module):
         return expert_ffn(x_RD, rows_per_expert, offs_E, w_in, w_out, self.activation)
 
 
-def expert_ffn(x_RD, rows_per_expert: list[int], offs_E, w_in_EDH, w_out_EFD, activation: str):
+def expert_ffn(x_RD, rows_per_expert: list[int], offs_E, w_in_EDH, w_out_EFD, activation: str,
+               later: "LaterWeightGrads | None" = None):
     """The experts' maths on rows grouped by expert, for any block of experts' weights (the
-    all-to-all pipeline runs a block of local experts per chunk)."""
+    all-to-all pipeline runs a block of local experts per chunk). With `later` (from
+    `defer_weight_grads` on these weights), backward gives the input gradient first and leaves
+    the weight gradients to that node."""
+    if later is not None and x_RD.requires_grad and torch.is_grad_enabled():
+        return _DeferredFFN.apply(x_RD, w_in_EDH, w_out_EFD, rows_per_expert, offs_E, activation,
+                                  later)
+    return _ffn(x_RD, rows_per_expert, offs_E, w_in_EDH, w_out_EFD, activation)[-1]
+
+
+def _ffn(x_RD, rows_per_expert, offs_E, w_in_EDH, w_out_EFD, activation: str, cut=lambda t: t):
+    """(h, its activation, output); `cut` is applied to h and to the activation before use."""
     h_RH = grouped_mm(x_RD, w_in_EDH, rows_per_expert, offs_E)
-    return grouped_mm(_activate(h_RH, activation), w_out_EFD, rows_per_expert, offs_E)
+    a_RF = _activate(cut(h_RH), activation)
+    return h_RH, a_RF, grouped_mm(cut(a_RF), w_out_EFD, rows_per_expert, offs_E)
+
+
+# -- weight gradients after the input gradient ---------------------------------------------------
+#
+# Under expert parallelism the input gradient of a chunk of experts goes back over an all-to-all,
+# and nothing after it in backward needs the weight gradients: computed after that all-to-all is
+# issued, the two weight-gradient GEMMs (half the experts' backward) run while it travels, and
+# the last chunk's all-to-all, which otherwise nothing hides, is hidden too (the "W" of
+# zero-bubble schedules; Megatron-Core's delayed wgrad). Autograd computes a node's gradients all
+# at once, so the experts run as one Function over an inner graph of their own, cut at h and at
+# its activation: its backward asks the inner graph for the input gradient only (autograd then
+# skips the weight halves of the GEMM backward), and the weight gradients are asked for by
+# another node, `_WeightGrads`, which the weights pass through before the all-to-all's wait is
+# recorded. Autograd runs, of the nodes ready, the one recorded last first: the input gradient's
+# path (through the wait, which issues the all-to-all) before `_WeightGrads`. Each gradient is the
+# same ATen call on the same tensors as in one backward, so results are bit-identical.
+
+
+class LaterWeightGrads:
+    """What a deferring expert call leaves for its weight gradients: the inner graph's ends (as
+    gradient edges: no tensor is kept alive for them) and leaves (`inner`, set in forward), and
+    the gradients at those ends (`grads`, set in backward)."""
+
+    __slots__ = ("inner", "grads")
+
+    def __init__(self):
+        self.inner = self.grads = None
+
+
+class _WeightGrads(torch.autograd.Function):
+    """Forward: views of the weights. Backward: their gradients from the deferring call's inner
+    graph (what arrives is the zeros that call returned for them), or what arrives, as is, when
+    no call deferred (input without gradient)."""
+
+    @staticmethod
+    def forward(ctx, w_in_EDH, w_out_EFD, later):
+        ctx.later = later
+        return w_in_EDH.view_as(w_in_EDH), w_out_EFD.view_as(w_out_EFD)
+
+    @staticmethod
+    def backward(ctx, grad_in, grad_out):
+        later, ctx.later = ctx.later, None
+        if later.grads is None:
+            return grad_in, grad_out, None
+        (h_edge, y_edge, w_in_, w_out_), (grad_h, grad_y) = later.inner, later.grads
+        later.inner = later.grads = None
+        (grad_in,) = torch.autograd.grad(h_edge, w_in_, grad_h)
+        (grad_out,) = torch.autograd.grad(y_edge, w_out_, grad_y)
+        return grad_in, grad_out, None
+
+
+class _DeferredFFN(torch.autograd.Function):
+    """The experts over an inner graph; backward returns the input gradient only (zeros, no
+    memory, for the weights: `_WeightGrads` gives theirs). The inner graph keeps what one
+    backward would; its ends are held as gradient edges, so no output stays alive for it."""
+
+    @staticmethod
+    def forward(ctx, x_RD, w_in_EDH, w_out_EFD, rows_per_expert, offs_E, activation, later):
+        cuts = []
+
+        def cut(t):   # a leaf of the inner graph in t's place, so each step is asked for alone
+            cuts.append(t.detach().requires_grad_())
+            return cuts[-1]
+
+        with torch.enable_grad():
+            x_, w_in_, w_out_ = (cut(t) for t in (x_RD, w_in_EDH, w_out_EFD))
+            h_RH, a_RF, y_RD = _ffn(x_, rows_per_expert, offs_E, w_in_, w_out_, activation, cut)
+        edges = [get_gradient_edge(t) for t in (h_RH, a_RF, y_RD)]
+        ctx.inner = (x_, *edges, *cuts[3:])
+        ctx.later = later
+        ctx.shapes = [(w.shape, w.dtype, w.device) for w in (w_in_EDH, w_out_EFD)]
+        later.inner = (edges[0], edges[2], w_in_, w_out_)
+        return y_RD.detach()
+
+    @staticmethod
+    def backward(ctx, grad_y):
+        (x_, h_edge, a_edge, y_edge, h_cut, a_cut), ctx.inner = ctx.inner, None
+        (grad_a,) = torch.autograd.grad(y_edge, a_cut, grad_y, retain_graph=True)
+        (grad_h,) = torch.autograd.grad(a_edge, h_cut, grad_a)
+        (grad_x,) = torch.autograd.grad(h_edge, x_, grad_h, retain_graph=True)
+        ctx.later.grads, ctx.later = (grad_h, grad_y), None
+        zeros = [torch.zeros((), dtype=dtype, device=device).expand(shape)
+                 for shape, dtype, device in ctx.shapes]
+        return grad_x, *zeros, None, None, None, None
+
+
+def defer_weight_grads(w_in_EDH, w_out_EFD):
+    """(w_in, w_out, later): pass the weights and `later` to `expert_ffn`, and its backward gives
+    the input gradient, and then, as the next node autograd runs after those recorded since
+    this call, the weight gradients. Call it before recording the node that should run in
+    between (the all-to-all's wait). `later` is None, and the weights returned as they are, when
+    nothing is to be deferred: no gradient to compute, or saved-tensor hooks at work (activation
+    recompute: the inner graph would hide its tensors from them)."""
+    if not (torch.is_grad_enabled() and (w_in_EDH.requires_grad or w_out_EFD.requires_grad)) \
+            or torch._C._autograd._top_saved_tensors_default_hooks(False) is not None:
+        return w_in_EDH, w_out_EFD, None
+    later = LaterWeightGrads()
+    return *_WeightGrads.apply(w_in_EDH, w_out_EFD, later), later
 
 
 class FeedForward(nn.Module):

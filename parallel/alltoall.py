@@ -23,7 +23,9 @@ El/C experts (`parallel.a2a_chunks`, clamped to a divisor of El); copies are sor
 (chunk, destination rank, expert), so each chunk's rows leave in one all-to-all. `start` issues
 every chunk's dispatch and returns: the router's losses and the shared experts run meanwhile.
 `finish` waits chunk i, runs its experts and issues its combine while chunk i+1's dispatch and
-chunk i-1's combine are in flight; autograd replays the same interleaving in reverse. Each
+chunk i-1's combine are in flight; autograd replays the same interleaving in reverse, with one
+change: a chunk's experts give their input gradient, its all-to-all is issued, and then their
+weight gradients are computed while it travels (layers/experts.py `defer_weight_grads`). Each
 expert sees exactly the rows, in the order, of the synchronous path (`dispatch` / `combine`,
 one chunk), and the per-expert GEMMs are the same calls, so results are bit-identical.
 """
@@ -35,7 +37,7 @@ import torch
 from moepar.layers.dispatch import (LocalPlan, combine_sorted, counts_to_host, gather_sorted,
                                     group_offsets, inverse_permutation, permute_rows,
                                     sort_by_expert)
-from moepar.layers.experts import expert_ffn
+from moepar.layers.experts import defer_weight_grads, expert_ffn
 from moepar.layers.router import Routing
 
 from .comm import all_to_all, all_to_all_start, all_to_all_wait, group_size, to_wire
@@ -216,9 +218,13 @@ class AllToAllDispatcher:
         returning = []
         for chunk, (rows, flight), w_in, w_out in zip(chunks, started.arriving, w_in_EDH,
                                                        w_out_EFD, strict=True):
+            # Recorded before the wait, so backward issues the wait's all-to-all (the input
+            # gradient going back) first, then computes the weight gradients while it travels.
+            w_in, w_out, later = defer_weight_grads(w_in, w_out)
             x_recv = all_to_all_wait(rows, flight)
             x_RD = permute_rows(x_recv, chunk.to_expert_major, chunk.to_source_major)
-            y_RD = expert_ffn(x_RD, chunk.rows_per_expert, chunk.offs_E, w_in, w_out, activation)
+            y_RD = expert_ffn(x_RD, chunk.rows_per_expert, chunk.offs_E, w_in, w_out, activation,
+                              later)
             y_recv = permute_rows(y_RD, chunk.to_source_major, chunk.to_expert_major)
             self._check(chunk.recv_splits, chunk.send_splits, "combine", y_RD.device)
             returning.append(all_to_all_start(y_recv, chunk.send_splits, chunk.recv_splits,

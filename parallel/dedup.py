@@ -16,7 +16,9 @@ P = ep ranks, El local experts. Talks on the `ep` group only.
 Bytes of hidden state on the wire: Q*D each way instead of the plain dispatcher's A*D; the ids
 and weights add 3 numbers per assignment. One host sync per layer (all counts together); pair
 keys, counts and offsets are built on the device without boolean masks or `bincount` (which
-sync on CUDA), and backward never syncs.
+sync on CUDA), and backward never syncs. The rows out travel asynchronously; in backward their
+gradient's all-to-all is issued before the experts' weight gradients are computed, which then
+run while it travels (layers/experts.py `defer_weight_grads`).
 """
 
 from dataclasses import dataclass, replace
@@ -25,6 +27,7 @@ import torch
 
 from moepar.layers.dispatch import (counts_to_host, gather_rows, group_offsets, segment_slots,
                                     sort_by_expert, sum_rows)
+from moepar.layers.experts import defer_weight_grads, expert_ffn
 from moepar.layers.router import Routing, expert_counts
 
 from .comm import all_to_all, all_to_all_start, all_to_all_wait, group_size, to_wire
@@ -75,8 +78,16 @@ class DedupAllToAllDispatcher:
         return self._arrive(self.start(x_TD, routing), routing.weight_N)
 
     def finish(self, started: "_DedupStarted", experts, weight_N: torch.Tensor) -> torch.Tensor:
-        x_RD, plan = self._arrive(started, weight_N)
-        return self.combine(experts(x_RD, plan.rows_per_expert, plan.offs_E), plan)
+        def run(w_in_EDH, w_out_EFD, activation: str):
+            # Recorded before the rows' wait, so backward issues the input gradient's all-to-all
+            # before the weight gradients are computed (see AllToAllDispatcher._pipeline).
+            w_in_EDH, w_out_EFD, later = defer_weight_grads(w_in_EDH, w_out_EFD)
+            x_RD, plan = self._arrive(started, weight_N)
+            return expert_ffn(x_RD, plan.rows_per_expert, plan.offs_E, w_in_EDH, w_out_EFD,
+                              activation, later), plan
+
+        # Through the experts module's own call, so its hooks (FSDP unshard) run once.
+        return self.combine(*experts(run))
 
     def start(self, x_TD: torch.Tensor, routing: Routing) -> "_DedupStarted":
         """Counts (the one sync), the pair rows out (asynchronous), the assignment ids (blocking,

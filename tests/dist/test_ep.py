@@ -216,6 +216,39 @@ def test_overlap_is_bitwise_synchronous(worlds, case, capacity_factor):
                          capacity_factor) == [True, True]
 
 
+def case_weight_grads_after_input_grad_leaves(ep: int, dedup: bool):
+    """Backward issues the all-to-all that takes the experts' input gradient back before it
+    computes their weight gradients (which then run while it travels): the experts' weights get
+    their gradients after the last all-to-all of the step is issued. One backward would compute
+    them first, with the input gradient of the same GEMMs."""
+    import time
+
+    from moepar.parallel.comm import A2ATimer
+    rank, dims, meshes = setup(ep)
+    torch.manual_seed(0)
+    moe = apply_ep(MoE(DIM, FFN, E, K), dims, meshes, rank, "alltoall", dedup)
+    moe.dispatcher.timer = timer = A2ATimer()
+    accumulated = {}
+
+    def clock(name):
+        def hook(_):
+            accumulated[name] = time.perf_counter()
+        return hook
+
+    for name, p in moe.experts.named_parameters():
+        p.register_post_accumulate_grad_hook(clock(name))
+    x = torch.randn(2, T, DIM, generator=torch.Generator().manual_seed(rank), requires_grad=True)
+    moe(x).y.pow(2).sum().backward()
+    assert len(timer.issue_times) >= 5      # counts; rows out, back; their gradients back, out
+    return {name: at > timer.issue_times[-1] for name, at in accumulated.items()}
+
+
+@pytest.mark.parametrize("dedup", [False, True], ids=["alltoall", "dedup"])
+def test_weight_grads_after_input_grad_leaves(worlds, dedup):
+    expected = {"w_in_EDH": True, "w_out_EFD": True}
+    assert worlds(2).run(case_weight_grads_after_input_grad_leaves, 2, dedup) == [expected] * 2
+
+
 def test_split_mismatch_raises_instead_of_hanging(worlds):
     assert worlds(2).run(case_split_mismatch_raises, 2, timeout=60) == ["raised", "raised"]
 

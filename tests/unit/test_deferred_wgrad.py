@@ -1,0 +1,111 @@
+"""Deferred expert weight gradients (layers/experts.py `defer_weight_grads`): the same bits as one
+backward, and the input gradient leaves the experts before their weight gradients are computed."""
+
+import pytest
+import torch
+from torch.utils.checkpoint import checkpoint
+
+from moepar.layers.experts import defer_weight_grads, expert_ffn
+
+D, F = 16, 24
+
+
+def _inputs(dtype, rows, activation="swiglu", seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    hidden = 2 * F if activation == "swiglu" else F
+    x = torch.randn(sum(rows), D, generator=gen, dtype=dtype)
+    w_in = torch.randn(len(rows), D, hidden, generator=gen, dtype=dtype) * 0.2
+    w_out = torch.randn(len(rows), F, D, generator=gen, dtype=dtype) * 0.2
+    g = torch.randn(sum(rows), D, generator=gen, dtype=dtype)
+    offs = torch.tensor(rows).cumsum(0).to(torch.int32)
+    return x, w_in, w_out, g, offs
+
+
+def _run(defer, dtype, rows, activation="swiglu", autocast=False):
+    x, w_in, w_out, g, offs = _inputs(dtype, rows, activation)
+    leaves = [t.requires_grad_() for t in (x, w_in, w_out)]
+    with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+        later = None
+        if defer:
+            w_in, w_out, later = defer_weight_grads(w_in, w_out)
+            assert later is not None
+        y = expert_ffn(x * 1.0, rows, offs, w_in, w_out, activation, later)
+    (y.float() * g).sum().backward()
+    if defer:
+        assert later.inner is None and later.grads is None     # nothing kept after backward
+    return [y.detach()] + [t.grad for t in leaves]
+
+
+@pytest.mark.parametrize("dtype,activation,autocast",
+                         [(torch.float32, "swiglu", False), (torch.float64, "swiglu", False),
+                          (torch.float64, "gelu", False), (torch.float32, "swiglu", True)],
+                         ids=["fp32-native", "fp64-padded", "fp64-gelu", "bf16-autocast"])
+@pytest.mark.parametrize("rows", [[5, 0, 9, 2], [16, 8]], ids=["empty-group", "full"])
+def test_bit_identical_to_one_backward(dtype, activation, autocast, rows):
+    plain = _run(False, dtype, rows, activation, autocast)
+    deferred = _run(True, dtype, rows, activation, autocast)
+    for name, a, b in zip(["y", "dx", "dw_in", "dw_out"], plain, deferred, strict=True):
+        assert a.dtype == b.dtype and torch.equal(a, b), name
+
+
+class _Marker(torch.autograd.Function):
+    """Identity; records when the input gradient passes (where the all-to-all's wait would
+    issue the gradient's all-to-all)."""
+
+    @staticmethod
+    def forward(ctx, x, events):
+        ctx.events = events
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        ctx.events.append("input grad out")
+        return grad, None
+
+
+def _order(defer: bool):
+    rows = [6, 3, 7]
+    x, w_in, w_out, g, offs = _inputs(torch.float32, rows)
+    events = []
+    x.requires_grad_()
+    for name, w in (("w_in", w_in), ("w_out", w_out)):
+        w.requires_grad_().register_post_accumulate_grad_hook(
+            lambda p, name=name: events.append(f"{name} grad"))
+    later = None
+    if defer:    # before the marker is recorded, as the dispatcher does before its wait
+        w_in, w_out, later = defer_weight_grads(w_in, w_out)
+    x_RD = _Marker.apply(x, events)
+    (expert_ffn(x_RD, rows, offs, w_in, w_out, "swiglu", later) * g).sum().backward()
+    return events
+
+
+def test_input_gradient_leaves_before_weight_gradients():
+    assert _order(defer=True)[0] == "input grad out"
+    assert sorted(_order(defer=True)[1:]) == ["w_in grad", "w_out grad"]
+    # One backward computes each GEMM's gradients together: the weights' come first.
+    assert _order(defer=False)[-1] == "input grad out"
+
+
+def test_weight_gradients_pass_through_without_input_gradient():
+    """An input that needs no gradient: the experts run undeferred, and the weights get the
+    gradients that arrive."""
+    rows = [4, 4]
+    x, w_in, w_out, g, offs = _inputs(torch.float64, rows)
+    ref = [w.clone().requires_grad_() for w in (w_in, w_out)]
+    (expert_ffn(x, rows, offs, *ref, "swiglu") * g).sum().backward()
+    w_in.requires_grad_(), w_out.requires_grad_()
+    w_in2, w_out2, later = defer_weight_grads(w_in, w_out)
+    (expert_ffn(x, rows, offs, w_in2, w_out2, "swiglu", later) * g).sum().backward()
+    assert later.grads is None
+    assert torch.equal(w_in.grad, ref[0].grad) and torch.equal(w_out.grad, ref[1].grad)
+
+
+def test_nothing_deferred_without_grad_or_under_recompute():
+    w_in, w_out = (torch.zeros(2, 3, 4, requires_grad=True) for _ in range(2))
+    with torch.no_grad():
+        assert defer_weight_grads(w_in, w_out)[2] is None
+    assert defer_weight_grads(w_in.detach(), w_out.detach())[2] is None
+    seen = []
+    checkpoint(lambda t: seen.append(defer_weight_grads(w_in, w_out)[2]) or t * t,
+               torch.ones(1, requires_grad=True), use_reentrant=False).sum().backward()
+    assert seen == [None, None]    # the forward and its recompute, alike
