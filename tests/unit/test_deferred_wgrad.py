@@ -10,7 +10,7 @@ from moepar.layers.experts import defer_weight_grads, expert_ffn
 D, F = 16, 24
 
 
-def _inputs(dtype, rows, activation="swiglu", seed=0):
+def _inputs(dtype, rows, activation="swiglu", seed=0, device="cpu"):
     gen = torch.Generator().manual_seed(seed)
     hidden = 2 * F if activation == "swiglu" else F
     x = torch.randn(sum(rows), D, generator=gen, dtype=dtype)
@@ -18,13 +18,13 @@ def _inputs(dtype, rows, activation="swiglu", seed=0):
     w_out = torch.randn(len(rows), F, D, generator=gen, dtype=dtype) * 0.2
     g = torch.randn(sum(rows), D, generator=gen, dtype=dtype)
     offs = torch.tensor(rows).cumsum(0).to(torch.int32)
-    return x, w_in, w_out, g, offs
+    return [t.to(device) for t in (x, w_in, w_out, g, offs)]
 
 
-def _run(defer, dtype, rows, activation="swiglu", autocast=False):
-    x, w_in, w_out, g, offs = _inputs(dtype, rows, activation)
+def _run(defer, dtype, rows, activation="swiglu", autocast=False, device="cpu"):
+    x, w_in, w_out, g, offs = _inputs(dtype, rows, activation, device=device)
     leaves = [t.requires_grad_() for t in (x, w_in, w_out)]
-    with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+    with torch.autocast(device, dtype=torch.bfloat16, enabled=autocast):
         later = None
         if defer:
             w_in, w_out, later = defer_weight_grads(w_in, w_out)
@@ -44,6 +44,19 @@ def _run(defer, dtype, rows, activation="swiglu", autocast=False):
 def test_bit_identical_to_one_backward(dtype, activation, autocast, rows):
     plain = _run(False, dtype, rows, activation, autocast)
     deferred = _run(True, dtype, rows, activation, autocast)
+    for name, a, b in zip(["y", "dx", "dw_in", "dw_out"], plain, deferred, strict=True):
+        assert a.dtype == b.dtype and torch.equal(a, b), name
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("dtype,autocast", [(torch.bfloat16, False), (torch.float32, True),
+                                            (torch.float32, False)],
+                         ids=["bf16-native", "bf16-autocast", "fp32-fallback"])
+@pytest.mark.parametrize("rows", [[16, 0, 24, 8], [32, 16]], ids=["empty-group", "full"])
+def test_bit_identical_to_one_backward_on_cuda(dtype, autocast, rows):
+    """The native grouped GEMM (sm90+, bf16) with its empty-group mask, and the fallback."""
+    plain = _run(False, dtype, rows, autocast=autocast, device="cuda")
+    deferred = _run(True, dtype, rows, autocast=autocast, device="cuda")
     for name, a, b in zip(["y", "dx", "dw_in", "dw_out"], plain, deferred, strict=True):
         assert a.dtype == b.dtype and torch.equal(a, b), name
 
