@@ -7,6 +7,9 @@ SwiGLU keeps the gate and up projections fused in one weight (`w_in`, last dim 2
 then up) so each expert costs two GEMMs, not three.
 """
 
+from collections.abc import Callable
+from typing import NamedTuple
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -15,7 +18,7 @@ from torch.autograd.graph import get_gradient_edge
 from .grouped_mm import grouped_mm
 
 __all__ = ["ACTIVATIONS", "GroupedExperts", "FeedForward", "SharedExperts", "expert_ffn",
-           "CastCache", "defer_weight_grads"]
+           "CastCache", "ExpertsPipeline", "defer_weight_grads"]
 
 ACTIVATIONS = ("swiglu", "gelu")
 
@@ -105,25 +108,57 @@ class GroupedExperts(nn.Module):
         nn.init.normal_(self.w_in_EDH, std=init_std)
         nn.init.normal_(self.w_out_EFD, std=out_init_std or init_std)
         self.casts: CastCache | None = None     # set by a training loop (see CastCache)
+        # Set by parallel/checkpointing.py (train.recompute="experts"): recompute(fn, *args) runs
+        # fn so that backward runs it again instead of keeping its activations.
+        self.recompute: Callable | None = None
 
     def forward(self, x_RD, rows_per_expert: list[int] | None = None,
                 offs_E: torch.Tensor | None = None):
         """`offs_E`: the int32 cumulative rows per expert on the device, as the dispatchers' plans
         carry it; built from the host list (a host-to-device copy) only when not given.
 
-        `x_RD` may instead be a pipeline: a callable of (w_in_EDH, w_out_EFD, activation) that
-        runs the experts itself, block by block between its all-to-alls (the all-to-all
-        dispatcher's overlap). It runs inside this call so module hooks (FSDP's unshard and
-        reshard) see the experts called once, as on the synchronous path.
+        `x_RD` may instead be an `ExpertsPipeline` that runs the experts itself, block by block
+        between its all-to-alls (the all-to-all dispatchers' overlap). It runs inside this call
+        so module hooks (FSDP's unshard and reshard) see the experts called once, as on the
+        synchronous path.
         """
         w_in, w_out = self.w_in_EDH, self.w_out_EFD
         if self.casts is not None:
             w_in, w_out = self.casts.get(w_in), self.casts.get(w_out)
-        if callable(x_RD) and not isinstance(x_RD, torch.Tensor):
-            return x_RD(w_in, w_out, self.activation)
+        if isinstance(x_RD, ExpertsPipeline):
+            return x_RD.run(w_in, w_out, self.ffn, x_RD.anchor)
         if offs_E is None:
             offs_E = torch.tensor(rows_per_expert, device=x_RD.device).cumsum(0).to(torch.int32)
-        return expert_ffn(x_RD, rows_per_expert, offs_E, w_in, w_out, self.activation)
+        return self.ffn(x_RD, rows_per_expert, offs_E, w_in, w_out)
+
+    def ffn(self, x_RD, rows_per_expert: list[int], offs_E, w_in_EDH, w_out_EFD, later=None):
+        """`expert_ffn` with this module's activation on (a block of) its weights, what an
+        `ExpertsPipeline` calls per block. Under recompute only this is run again in backward
+        (never a pipeline's all-to-alls), and nothing is deferred (`later` is not used)."""
+        if self.recompute is not None:
+            return self.recompute(expert_ffn, x_RD, rows_per_expert, offs_E, w_in_EDH, w_out_EFD,
+                                  self.activation)
+        return expert_ffn(x_RD, rows_per_expert, offs_E, w_in_EDH, w_out_EFD, self.activation,
+                          later)
+
+
+class ExpertsPipeline(NamedTuple):
+    """What a dispatcher passes to `GroupedExperts` in place of rows. `run(w_in, w_out, ffn,
+    anchor)` runs the experts, block by block with `ffn` (`GroupedExperts.ffn`), on the
+    module's weights and returns the result.
+    `anchor` (`ExpertsPipeline.of`): a scalar that needs a gradient, the call's tensor input.
+    Hooks that fire once backward has passed a module's inputs (FSDP2's post-backward:
+    reshard, reduce-scatter the gradients) need one; `defer_weight_grads` ties it to the
+    weights, so its (zero) gradient arrives once their gradients are complete. Without it FSDP2
+    would run that post-backward only when the whole backward ends, holding every layer's
+    unsharded weights and gradients until then."""
+    run: Callable
+    anchor: torch.Tensor | None
+
+    @classmethod
+    def of(cls, run: Callable, device) -> "ExpertsPipeline":
+        grad = torch.is_grad_enabled()
+        return cls(run, torch.zeros((), device=device, requires_grad=True) if grad else None)
 
 
 def expert_ffn(x_RD, rows_per_expert: list[int], offs_E, w_in_EDH, w_out_EFD, activation: str,
@@ -172,26 +207,41 @@ class LaterWeightGrads:
         self.inner = self.grads = None
 
 
+_ONCE = ("the experts' deferred weight gradients (layers/experts.py) allow one backward per "
+         "forward: no second backward over a graph kept with retain_graph=True, and no double "
+         "backward (create_graph=True)")
+
+
 class _WeightGrads(torch.autograd.Function):
-    """Forward: views of the weights. Backward: their gradients from the deferring call's inner
-    graph (what arrives is the zeros that call returned for them), or what arrives, as is, when
-    no call deferred (input without gradient)."""
+    """Forward: views of the weights (and the pipeline's anchor, tied to them). Backward: their
+    gradients from the deferring call's inner graph (what arrives is the zeros that call
+    returned for them), or what arrives, as is, when no call deferred; a zero for the anchor."""
 
     @staticmethod
-    def forward(ctx, w_in_EDH, w_out_EFD, later):
+    def forward(ctx, w_in_EDH, w_out_EFD, anchor, later):
         ctx.later = later
-        return w_in_EDH.view_as(w_in_EDH), w_out_EFD.view_as(w_out_EFD)
+        ctx.anchor = None if anchor is None else (anchor.dtype, anchor.device)
+        outs = w_in_EDH.view_as(w_in_EDH), w_out_EFD.view_as(w_out_EFD)
+        ctx.mark_non_differentiable(*(o for o, w in zip(outs, (w_in_EDH, w_out_EFD))
+                                      if not w.requires_grad))
+        return outs
 
     @staticmethod
     def backward(ctx, grad_in, grad_out):
-        later, ctx.later = ctx.later, None
-        if later.grads is None:
-            return grad_in, grad_out, None
+        grad_anchor = None if ctx.anchor is None else torch.zeros((), dtype=ctx.anchor[0],
+                                                                   device=ctx.anchor[1])
+        later = ctx.later
+        if later is None or later.grads is None:
+            return grad_in, grad_out, grad_anchor, None
+        if later.inner is None or torch.is_grad_enabled():
+            raise RuntimeError(_ONCE)
         (h_edge, y_edge, w_in_, w_out_), (grad_h, grad_y) = later.inner, later.grads
         later.inner = later.grads = None
-        (grad_in,) = torch.autograd.grad(h_edge, w_in_, grad_h)
-        (grad_out,) = torch.autograd.grad(y_edge, w_out_, grad_y)
-        return grad_in, grad_out, None
+        if w_in_.requires_grad:
+            (grad_in,) = torch.autograd.grad(h_edge, w_in_, grad_h)
+        if w_out_.requires_grad:
+            (grad_out,) = torch.autograd.grad(y_edge, w_out_, grad_y)
+        return grad_in, grad_out, grad_anchor, None
 
 
 class _DeferredFFN(torch.autograd.Function):
@@ -204,12 +254,13 @@ class _DeferredFFN(torch.autograd.Function):
         cuts = []
 
         def cut(t):   # a leaf of the inner graph in t's place, so each step is asked for alone
-            cuts.append(t.detach().requires_grad_())
+            cuts.append(t.detach().requires_grad_(t.requires_grad))
             return cuts[-1]
 
         with torch.enable_grad():
             x_, w_in_, w_out_ = (cut(t) for t in (x_RD, w_in_EDH, w_out_EFD))
-            h_RH, a_RF, y_RD = _ffn(x_, rows_per_expert, offs_E, w_in_, w_out_, activation, cut)
+            h_RH, a_RF, y_RD = _ffn(x_, rows_per_expert, offs_E, w_in_, w_out_, activation,
+                                    lambda t: cut(t).requires_grad_())
         edges = [get_gradient_edge(t) for t in (h_RH, a_RF, y_RD)]
         ctx.inner = (x_, *edges, *cuts[3:])
         ctx.later = later
@@ -219,6 +270,8 @@ class _DeferredFFN(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_y):
+        if ctx.inner is None or torch.is_grad_enabled():
+            raise RuntimeError(_ONCE)
         (x_, h_edge, a_edge, y_edge, h_cut, a_cut), ctx.inner = ctx.inner, None
         (grad_a,) = torch.autograd.grad(y_edge, a_cut, grad_y, retain_graph=True)
         (grad_h,) = torch.autograd.grad(a_edge, h_cut, grad_a)
@@ -229,18 +282,21 @@ class _DeferredFFN(torch.autograd.Function):
         return grad_x, *zeros, None, None, None, None
 
 
-def defer_weight_grads(w_in_EDH, w_out_EFD):
+def defer_weight_grads(w_in_EDH, w_out_EFD, anchor=None):
     """(w_in, w_out, later): pass the weights and `later` to `expert_ffn`, and its backward gives
     the input gradient, and then, as the next node autograd runs after those recorded since
     this call, the weight gradients. Call it before recording the node that should run in
-    between (the all-to-all's wait). `later` is None, and the weights returned as they are, when
-    nothing is to be deferred: no gradient to compute, or saved-tensor hooks at work (activation
-    recompute: the inner graph would hide its tensors from them)."""
-    if not (torch.is_grad_enabled() and (w_in_EDH.requires_grad or w_out_EFD.requires_grad)) \
-            or torch._C._autograd._top_saved_tensors_default_hooks(False) is not None:
+    between (the all-to-all's wait). `later` is None when nothing is to be deferred: no
+    gradient to compute, or saved-tensor hooks at work (activation recompute, or offloading:
+    the inner graph would hide its tensors from them). `anchor` (an `ExpertsPipeline`'s) is
+    tied to the weights either way, to get its gradient once theirs are complete."""
+    if not (torch.is_grad_enabled() and (w_in_EDH.requires_grad or w_out_EFD.requires_grad)):
         return w_in_EDH, w_out_EFD, None
-    later = LaterWeightGrads()
-    return *_WeightGrads.apply(w_in_EDH, w_out_EFD, later), later
+    hooked = torch._C._autograd._top_saved_tensors_default_hooks(False) is not None
+    later = None if hooked else LaterWeightGrads()
+    if later is None and anchor is None:
+        return w_in_EDH, w_out_EFD, None
+    return *_WeightGrads.apply(w_in_EDH, w_out_EFD, anchor, later), later
 
 
 class FeedForward(nn.Module):

@@ -31,13 +31,14 @@ one chunk), and the per-expert GEMMs are the same calls, so results are bit-iden
 """
 
 from dataclasses import dataclass, replace
+from functools import partial
 
 import torch
 
 from moepar.layers.dispatch import (LocalPlan, combine_sorted, counts_to_host, gather_sorted,
                                     group_offsets, inverse_permutation, permute_rows,
                                     sort_by_expert)
-from moepar.layers.experts import defer_weight_grads, expert_ffn
+from moepar.layers.experts import ExpertsPipeline, defer_weight_grads
 from moepar.layers.router import Routing
 
 from .comm import all_to_all, all_to_all_start, all_to_all_wait, group_size, to_wire
@@ -202,11 +203,10 @@ class AllToAllDispatcher:
 
     def finish(self, started: _Started, experts, weight_N: torch.Tensor) -> torch.Tensor:
         # Through the experts module's own call, so its hooks (FSDP unshard) run once.
-        y_SD = experts(lambda w_in, w_out, activation: self._pipeline(started, w_in, w_out,
-                                                                      activation))
+        y_SD = experts(ExpertsPipeline.of(partial(self._pipeline, started), weight_N.device))
         return combine_sorted(y_SD, replace(started.plan.local, weight_N=weight_N))
 
-    def _pipeline(self, started: _Started, w_in_EDH, w_out_EFD, activation: str):
+    def _pipeline(self, started: _Started, w_in_EDH, w_out_EFD, ffn, anchor):
         """Chunk i: wait its rows, run its experts, send the results back; returns the rows back
         at this rank, in its send order."""
         chunks = started.plan.chunks
@@ -220,11 +220,10 @@ class AllToAllDispatcher:
                                                        w_out_EFD, strict=True):
             # Recorded before the wait, so backward issues the wait's all-to-all (the input
             # gradient going back) first, then computes the weight gradients while it travels.
-            w_in, w_out, later = defer_weight_grads(w_in, w_out)
+            w_in, w_out, later = defer_weight_grads(w_in, w_out, anchor)
             x_recv = all_to_all_wait(rows, flight)
             x_RD = permute_rows(x_recv, chunk.to_expert_major, chunk.to_source_major)
-            y_RD = expert_ffn(x_RD, chunk.rows_per_expert, chunk.offs_E, w_in, w_out, activation,
-                              later)
+            y_RD = ffn(x_RD, chunk.rows_per_expert, chunk.offs_E, w_in, w_out, later)
             y_recv = permute_rows(y_RD, chunk.to_source_major, chunk.to_expert_major)
             self._check(chunk.recv_splits, chunk.send_splits, "combine", y_RD.device)
             returning.append(all_to_all_start(y_recv, chunk.send_splits, chunk.recv_splits,

@@ -12,6 +12,10 @@ alike).
 | attention       | attention (q/k/v, scores, output)     | q, k, v, attention weights and output          |
 | experts         | the routed experts' grouped GEMMs     | the [rows, 2F] hidden state and its activation |
 
+`experts` checkpoints `GroupedExperts.ffn` (the maths alone): under expert parallelism the
+dispatcher calls the experts block by block between its all-to-all waits, and a recompute of the
+whole experts call would wait on all-to-alls already consumed.
+
 Uses non-reentrant `torch.utils.checkpoint`, which returns the region's outputs (for a full
 block: hidden state and MoE losses and stats) from the first forward and discards the
 recomputed copy; routing is deterministic, so a recompute makes the same drop decisions, and the
@@ -32,6 +36,10 @@ def _checkpointed_forward(module, *args):
     return checkpoint(type(module).forward, module, *args, use_reentrant=False)
 
 
+def _checkpointed_call(fn, *args):
+    return checkpoint(fn, *args, use_reentrant=False)
+
+
 def _wrap(module):
     # A method bound to the module itself, so `copy.deepcopy` rebinds it to the copy; parameter
     # names (and checkpoints) do not change.
@@ -48,7 +56,9 @@ def apply_recompute(model, mode: str):
         elif mode == "attention":
             _wrap(block.attn)
         elif mode == "experts" and block.is_moe:
-            _wrap(block.ffn.experts)
+            # The experts' maths only: under expert parallelism the experts call also holds the
+            # dispatcher's all-to-all waits, which a recompute must not run again.
+            block.ffn.experts.recompute = _checkpointed_call
     return model
 
 

@@ -27,7 +27,7 @@ import torch
 
 from moepar.layers.dispatch import (counts_to_host, gather_rows, group_offsets, segment_slots,
                                     sort_by_expert, sum_rows)
-from moepar.layers.experts import defer_weight_grads, expert_ffn
+from moepar.layers.experts import ExpertsPipeline, defer_weight_grads
 from moepar.layers.router import Routing, expert_counts
 
 from .comm import all_to_all, all_to_all_start, all_to_all_wait, group_size, to_wire
@@ -78,16 +78,15 @@ class DedupAllToAllDispatcher:
         return self._arrive(self.start(x_TD, routing), routing.weight_N)
 
     def finish(self, started: "_DedupStarted", experts, weight_N: torch.Tensor) -> torch.Tensor:
-        def run(w_in_EDH, w_out_EFD, activation: str):
+        def run(w_in_EDH, w_out_EFD, ffn, anchor):
             # Recorded before the rows' wait, so backward issues the input gradient's all-to-all
             # before the weight gradients are computed (see AllToAllDispatcher._pipeline).
-            w_in_EDH, w_out_EFD, later = defer_weight_grads(w_in_EDH, w_out_EFD)
+            w_in_EDH, w_out_EFD, later = defer_weight_grads(w_in_EDH, w_out_EFD, anchor)
             x_RD, plan = self._arrive(started, weight_N)
-            return expert_ffn(x_RD, plan.rows_per_expert, plan.offs_E, w_in_EDH, w_out_EFD,
-                              activation, later), plan
+            return ffn(x_RD, plan.rows_per_expert, plan.offs_E, w_in_EDH, w_out_EFD, later), plan
 
         # Through the experts module's own call, so its hooks (FSDP unshard) run once.
-        return self.combine(*experts(run))
+        return self.combine(*experts(ExpertsPipeline.of(run, weight_N.device)))
 
     def start(self, x_TD: torch.Tensor, routing: Routing) -> "_DedupStarted":
         """Counts (the one sync), the pair rows out (asynchronous), the assignment ids (blocking,

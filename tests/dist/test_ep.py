@@ -4,10 +4,13 @@ after reduction), for every dispatcher, dropless and capacity, ep 2 and 4."""
 
 import copy
 import dataclasses
+import types
 
 import pytest
 import torch
 import torch.distributed as dist
+
+from marks import Mark
 
 from moepar.layers import MoE, Routing
 from moepar.layers.moe import inject_aux_loss
@@ -247,6 +250,47 @@ def case_weight_grads_after_input_grad_leaves(ep: int, dedup: bool):
 def test_weight_grads_after_input_grad_leaves(worlds, dedup):
     expected = {"w_in_EDH": True, "w_out_EFD": True}
     assert worlds(2).run(case_weight_grads_after_input_grad_leaves, 2, dedup) == [expected] * 2
+
+
+def case_zero3_experts_reshard_within_backward(ep: int, dedup: bool, recompute: bool):
+    """Under FSDP2 (zero=3) the experts' post-backward (reshard, reduce-scatter the gradients)
+    runs once their weight gradients are complete, within the layer's backward, not in the
+    final callback at the end of the whole backward (which would hold every layer's unsharded
+    experts until then): the pipeline's anchor is the experts call's tensor input."""
+    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.fsdp._fully_shard._fsdp_param_group import FSDPParamGroup
+
+    from moepar.parallel.checkpointing import apply_recompute
+    rank, dims, meshes = setup(ep)
+    torch.manual_seed(0)
+    moe = apply_ep(MoE(DIM, FFN, E, K), dims, meshes, rank, "alltoall", dedup)
+    if recompute:
+        apply_recompute(types.SimpleNamespace(layers=[types.SimpleNamespace(is_moe=True, ffn=moe)]),
+                        "experts")
+    fully_shard(moe.experts, mesh=meshes.expert["edp"])
+    events, post_backward = [], FSDPParamGroup.post_backward
+
+    def recorded(group, *args, **kwargs):
+        events.append("post-backward")
+        return post_backward(group, *args, **kwargs)
+
+    FSDPParamGroup.post_backward = recorded
+    try:
+        x = torch.randn(2, T, DIM, generator=torch.Generator().manual_seed(rank),
+                        requires_grad=True)
+        reached = Mark.apply(x, events, "backward reached the layer's input")
+        moe(reached).y.pow(2).sum().backward()
+    finally:
+        FSDPParamGroup.post_backward = post_backward
+    return events
+
+
+@pytest.mark.parametrize("dedup,recompute", [(False, False), (True, False), (False, True)],
+                         ids=["alltoall", "dedup", "recompute-experts"])
+def test_zero3_experts_reshard_within_backward(worlds, dedup, recompute):
+    expected = ["post-backward", "backward reached the layer's input"]
+    assert worlds(2).run(case_zero3_experts_reshard_within_backward, 2, dedup, recompute) == \
+        [expected] * 2
 
 
 def test_split_mismatch_raises_instead_of_hanging(worlds):

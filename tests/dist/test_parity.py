@@ -57,6 +57,10 @@ LAYOUTS = [
     # Expert chunks pipelined between asynchronous all-to-alls: the blocking path's numbers.
     (4, ["--parallel.ep=4", "--parallel.a2a_chunks=2"]),
     (4, ["--parallel.pp=2", "--parallel.ep=2", "--parallel.a2a_chunks=4", "--parallel.zero=1"]),
+    # Recompute of the experts' maths alone: the pipeline's all-to-all waits are not run again.
+    (2, ["--parallel.ep=2", "--parallel.a2a_chunks=2", "--train.recompute=experts"]),
+    (2, ["--parallel.ep=2", "--parallel.dedup=true", "--parallel.zero=3",
+         "--train.recompute=experts"]),
     # A power-of-two loss scale (float16's mechanism) leaves float64 results as they are.
     (4, ["--parallel.pp=2", "--parallel.ep=2", "--train.loss_scale=1024"]),
 ]

@@ -5,6 +5,8 @@ import pytest
 import torch
 from torch.utils.checkpoint import checkpoint
 
+from marks import Mark
+
 from moepar.layers.experts import defer_weight_grads, expert_ffn
 
 D, F = 16, 24
@@ -61,21 +63,6 @@ def test_bit_identical_to_one_backward_on_cuda(dtype, autocast, rows):
         assert a.dtype == b.dtype and torch.equal(a, b), name
 
 
-class _Marker(torch.autograd.Function):
-    """Identity; records when the input gradient passes (where the all-to-all's wait would
-    issue the gradient's all-to-all)."""
-
-    @staticmethod
-    def forward(ctx, x, events):
-        ctx.events = events
-        return x.view_as(x)
-
-    @staticmethod
-    def backward(ctx, grad):
-        ctx.events.append("input grad out")
-        return grad, None
-
-
 def _order(defer: bool):
     rows = [6, 3, 7]
     x, w_in, w_out, g, offs = _inputs(torch.float32, rows)
@@ -87,7 +74,7 @@ def _order(defer: bool):
     later = None
     if defer:    # before the marker is recorded, as the dispatcher does before its wait
         w_in, w_out, later = defer_weight_grads(w_in, w_out)
-    x_RD = _Marker.apply(x, events)
+    x_RD = Mark.apply(x, events, "input grad out")
     (expert_ffn(x_RD, rows, offs, w_in, w_out, "swiglu", later) * g).sum().backward()
     return events
 
@@ -122,3 +109,63 @@ def test_nothing_deferred_without_grad_or_under_recompute():
     checkpoint(lambda t: seen.append(defer_weight_grads(w_in, w_out)[2]) or t * t,
                torch.ones(1, requires_grad=True), use_reentrant=False).sum().backward()
     assert seen == [None, None]    # the forward and its recompute, alike
+
+
+def test_frozen_weight_gets_no_gradient_and_costs_no_gemm():
+    """A frozen w_in: the same other gradients as one backward, and its weight-gradient GEMM is
+    not computed (backward runs 3 grouped GEMMs, as one backward does, not 4)."""
+    from torch.profiler import profile
+    rows = [8, 16]
+    results = []
+    for defer in (False, True):
+        x, w_in, w_out, g, offs = _inputs(torch.float32, rows)
+        x.requires_grad_(), w_out.requires_grad_()
+        w_in2, w_out2, later = defer_weight_grads(w_in, w_out) if defer else (w_in, w_out, None)
+        loss = (expert_ffn(x * 1.0, rows, offs, w_in2, w_out2, "swiglu", later) * g).sum()
+        with profile() as prof:
+            loss.backward()
+        gemms = sum(e.count for e in prof.key_averages() if e.key == "aten::_grouped_mm")
+        results.append((x.grad, w_out.grad, w_in.grad, gemms))
+    (dx, dw_out, dw_in, gemms), (dx_d, dw_out_d, dw_in_d, gemms_d) = results
+    assert torch.equal(dx, dx_d) and torch.equal(dw_out, dw_out_d)
+    assert dw_in is None and dw_in_d is None
+    assert gemms == gemms_d == 3
+
+
+def test_second_backward_is_refused_with_a_clear_error():
+    rows = [3, 5]
+    x, w_in, w_out, g, offs = _inputs(torch.float64, rows)
+    x.requires_grad_(), w_in.requires_grad_(), w_out.requires_grad_()
+    w_in2, w_out2, later = defer_weight_grads(w_in, w_out)
+    loss = (expert_ffn(x * 1.0, rows, offs, w_in2, w_out2, "swiglu", later) * g).sum()
+    loss.backward(retain_graph=True)
+    with pytest.raises(RuntimeError, match="one backward per forward"):
+        loss.backward()
+
+
+def test_anchor_gets_its_gradient_after_the_weights():
+    """The pipeline's anchor is tied to the weights: a zero gradient, once theirs are done,
+    deferred or not (recompute)."""
+    rows = [4, 4]
+    for hooked in (False, True):
+        x, w_in, w_out, g, offs = _inputs(torch.float64, rows)
+        events = []
+        for name, w in (("w_in", w_in), ("w_out", w_out)):
+            w.requires_grad_().register_post_accumulate_grad_hook(
+                lambda p, name=name: events.append(name))
+        anchor = torch.zeros((), dtype=torch.float64, requires_grad=True)
+        anchor.register_post_accumulate_grad_hook(lambda p: events.append("anchor"))
+        x.requires_grad_()
+
+        def run():
+            w_in2, w_out2, later = defer_weight_grads(w_in, w_out, anchor)
+            assert (later is None) == hooked
+            (expert_ffn(x * 1.0, rows, offs, w_in2, w_out2, "swiglu", later) * g).sum().backward()
+
+        if hooked:
+            with torch.autograd.graph.saved_tensors_hooks(lambda t: t, lambda t: t):
+                run()
+        else:
+            run()
+        assert events[-1] == "anchor" and sorted(events[:-1]) == ["w_in", "w_out"]
+        assert anchor.grad is not None and float(anchor.grad) == 0.0
