@@ -172,6 +172,11 @@ LAYOUTS = {
                                     "--train.dtype=bfloat16", "--router.capacity_factor=1.25"]),
     "ep2-zero3-recompute": (2, ["--parallel.ep=2", "--parallel.zero=3",
                                 "--train.activation_checkpointing=true"]),
+    # Expert weights heavy against activations: each layer's experts must be resharded within
+    # backward (held to its end, as before 2026-12-01, the part above the static state measured
+    # 1.4-1.5x the estimate: dyn 0.65-0.72).
+    "ep2-zero3-experts-heavy": (2, ["--parallel.ep=2", "--parallel.zero=3",
+                                    "--model.num_experts=32", "--model.moe_ffn_dim=512"]),
     "tp2-zero3-bf16": (2, ["--parallel.tp=2", "--parallel.zero=3", "--train.dtype=bfloat16"]),
     "tp2-mla": (2, ["--parallel.tp=2", *MLA]),
     "pp2-tp2-ep2-zero1": (4, ["--parallel.pp=2", "--parallel.tp=2", "--parallel.ep=2",
@@ -204,7 +209,9 @@ def test_estimated_peak_memory_per_rank_is_within_10_percent(worlds, tmp_path, n
         assert 0.90 <= ratio <= 1.10, (name, got["rank"], ratio, dynamic, want, got["peak"])
         assert abs(dynamic - 1) <= 0.20, (name, got["rank"], dynamic)
         # the layouts are chosen so that activations matter: at least a quarter of the peak
-        assert got["peak"] - static > 0.25 * got["peak"], (name, got["peak"], static)
+        # (a fifth where the expert weights are the point)
+        least = 0.2 if name == "ep2-zero3-experts-heavy" else 0.25
+        assert got["peak"] - static > least * got["peak"], (name, got["peak"], static)
 
 
 def case_buckets(run_dir: str, overrides: list[str]):
