@@ -252,22 +252,27 @@ def test_weight_grads_after_input_grad_leaves(worlds, dedup):
     assert worlds(2).run(case_weight_grads_after_input_grad_leaves, 2, dedup) == [expected] * 2
 
 
-def case_zero3_experts_reshard_within_backward(ep: int, dedup: bool, recompute: bool):
+def case_zero3_experts_reshard_within_backward(ep: int, dedup: bool, recompute: bool,
+                                               chunks: int = 1, bf16: bool = False):
     """Under FSDP2 (zero=3) the experts' post-backward (reshard, reduce-scatter the gradients)
     runs once their weight gradients are complete, within the layer's backward, not in the
     final callback at the end of the whole backward (which would hold every layer's unsharded
     experts until then): the pipeline's anchor is the experts call's tensor input."""
-    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
     from torch.distributed.fsdp._fully_shard._fsdp_param_group import FSDPParamGroup
 
     from moepar.parallel.checkpointing import apply_recompute
     rank, dims, meshes = setup(ep)
     torch.manual_seed(0)
     moe = apply_ep(MoE(DIM, FFN, E, K), dims, meshes, rank, "alltoall", dedup)
+    if chunks > 1:
+        moe = with_chunks(moe, chunks, meshes)
     if recompute:
         apply_recompute(types.SimpleNamespace(layers=[types.SimpleNamespace(is_moe=True, ffn=moe)]),
                         "experts")
-    fully_shard(moe.experts, mesh=meshes.expert["edp"])
+    policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16 if bf16 else None,
+                                  cast_forward_inputs=False)
+    fully_shard(moe.experts, mesh=meshes.expert["edp"], mp_policy=policy)
     events, post_backward = [], FSDPParamGroup.post_backward
 
     def recorded(group, *args, **kwargs):
@@ -279,18 +284,20 @@ def case_zero3_experts_reshard_within_backward(ep: int, dedup: bool, recompute: 
         x = torch.randn(2, T, DIM, generator=torch.Generator().manual_seed(rank),
                         requires_grad=True)
         reached = Mark.apply(x, events, "backward reached the layer's input")
-        moe(reached).y.pow(2).sum().backward()
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16):
+            y = moe(reached).y
+        y.float().pow(2).sum().backward()
     finally:
         FSDPParamGroup.post_backward = post_backward
     return events
 
 
-@pytest.mark.parametrize("dedup,recompute", [(False, False), (True, False), (False, True)],
-                         ids=["alltoall", "dedup", "recompute-experts"])
-def test_zero3_experts_reshard_within_backward(worlds, dedup, recompute):
+@pytest.mark.parametrize("case", [(False, False, 1, False), (True, False, 1, False),
+                                  (False, True, 1, False), (False, False, 2, True)],
+                         ids=["alltoall", "dedup", "recompute-experts", "chunks2-bf16"])
+def test_zero3_experts_reshard_within_backward(worlds, case):
     expected = ["post-backward", "backward reached the layer's input"]
-    assert worlds(2).run(case_zero3_experts_reshard_within_backward, 2, dedup, recompute) == \
-        [expected] * 2
+    assert worlds(2).run(case_zero3_experts_reshard_within_backward, 2, *case) == [expected] * 2
 
 
 def test_split_mismatch_raises_instead_of_hanging(worlds):

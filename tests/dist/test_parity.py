@@ -57,6 +57,8 @@ LAYOUTS = [
     # Expert chunks pipelined between asynchronous all-to-alls: the blocking path's numbers.
     (4, ["--parallel.ep=4", "--parallel.a2a_chunks=2"]),
     (4, ["--parallel.pp=2", "--parallel.ep=2", "--parallel.a2a_chunks=4", "--parallel.zero=1"]),
+    # ZeRO-3 resharding each layer's experts within backward, their weights split in chunks.
+    (2, ["--parallel.ep=2", "--parallel.a2a_chunks=2", "--parallel.zero=3"]),
     # Recompute of the experts' maths alone: the pipeline's all-to-all waits are not run again.
     (2, ["--parallel.ep=2", "--parallel.a2a_chunks=2", "--train.recompute=experts"]),
     (2, ["--parallel.ep=2", "--parallel.dedup=true", "--parallel.zero=3",

