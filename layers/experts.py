@@ -282,6 +282,13 @@ class _DeferredFFN(torch.autograd.Function):
         return grad_x, *zeros, None, None, None, None
 
 
+def _saved_tensor_hooks_active() -> bool:
+    """Whether saved-tensor hooks (a `torch.utils.checkpoint` region, `save_on_cpu`) are active:
+    the one private torch call in this file, as torch has no public query, and a checkpointed
+    region, recomputed in backward, must run the plain backward."""
+    return torch._C._autograd._top_saved_tensors_default_hooks(False) is not None
+
+
 def defer_weight_grads(w_in_EDH, w_out_EFD, anchor=None):
     """(w_in, w_out, later): pass the weights and `later` to `expert_ffn`, and its backward gives
     the input gradient, and then, as the next node autograd runs after those recorded since
@@ -292,8 +299,7 @@ def defer_weight_grads(w_in_EDH, w_out_EFD, anchor=None):
     tied to the weights either way, to get its gradient once theirs are complete."""
     if not (torch.is_grad_enabled() and (w_in_EDH.requires_grad or w_out_EFD.requires_grad)):
         return w_in_EDH, w_out_EFD, None
-    hooked = torch._C._autograd._top_saved_tensors_default_hooks(False) is not None
-    later = None if hooked else LaterWeightGrads()
+    later = None if _saved_tensor_hooks_active() else LaterWeightGrads()
     if later is None and anchor is None:
         return w_in_EDH, w_out_EFD, None
     return *_WeightGrads.apply(w_in_EDH, w_out_EFD, anchor, later), later
