@@ -259,8 +259,7 @@ class _DeferredFFN(torch.autograd.Function):
 
         with torch.enable_grad():
             x_, w_in_, w_out_ = (cut(t) for t in (x_RD, w_in_EDH, w_out_EFD))
-            h_RH, a_RF, y_RD = _ffn(x_, rows_per_expert, offs_E, w_in_, w_out_, activation,
-                                    lambda t: cut(t).requires_grad_())
+            h_RH, a_RF, y_RD = _ffn(x_, rows_per_expert, offs_E, w_in_, w_out_, activation, cut)
         edges = [get_gradient_edge(t) for t in (h_RH, a_RF, y_RD)]
         ctx.inner = (x_, *edges, *cuts[3:])
         ctx.later = later

@@ -32,12 +32,12 @@ __all__ = ["RECOMPUTE", "apply_recompute", "apply_activation_checkpointing"]
 RECOMPUTE = ("none", "full", "attention", "experts")
 
 
-def _checkpointed_forward(module, *args):
-    return checkpoint(type(module).forward, module, *args, use_reentrant=False)
-
-
 def _checkpointed_call(fn, *args):
     return checkpoint(fn, *args, use_reentrant=False)
+
+
+def _checkpointed_forward(module, *args):
+    return _checkpointed_call(type(module).forward, module, *args)
 
 
 def _wrap(module):

@@ -38,16 +38,19 @@ def _run(defer, dtype, rows, activation="swiglu", autocast=False, device="cpu"):
     return [y.detach()] + [t.grad for t in leaves]
 
 
+def _assert_bitwise(plain, deferred):
+    for name, a, b in zip(["y", "dx", "dw_in", "dw_out"], plain, deferred, strict=True):
+        assert a.dtype == b.dtype and torch.equal(a, b), name
+
+
 @pytest.mark.parametrize("dtype,activation,autocast",
                          [(torch.float32, "swiglu", False), (torch.float64, "swiglu", False),
                           (torch.float64, "gelu", False), (torch.float32, "swiglu", True)],
                          ids=["fp32-native", "fp64-padded", "fp64-gelu", "bf16-autocast"])
 @pytest.mark.parametrize("rows", [[5, 0, 9, 2], [16, 8]], ids=["empty-group", "full"])
 def test_bit_identical_to_one_backward(dtype, activation, autocast, rows):
-    plain = _run(False, dtype, rows, activation, autocast)
-    deferred = _run(True, dtype, rows, activation, autocast)
-    for name, a, b in zip(["y", "dx", "dw_in", "dw_out"], plain, deferred, strict=True):
-        assert a.dtype == b.dtype and torch.equal(a, b), name
+    _assert_bitwise(_run(False, dtype, rows, activation, autocast),
+                    _run(True, dtype, rows, activation, autocast))
 
 
 @pytest.mark.cuda
@@ -57,10 +60,8 @@ def test_bit_identical_to_one_backward(dtype, activation, autocast, rows):
 @pytest.mark.parametrize("rows", [[16, 0, 24, 8], [32, 16]], ids=["empty-group", "full"])
 def test_bit_identical_to_one_backward_on_cuda(dtype, autocast, rows):
     """The native grouped GEMM (sm90+, bf16) with its empty-group mask, and the fallback."""
-    plain = _run(False, dtype, rows, autocast=autocast, device="cuda")
-    deferred = _run(True, dtype, rows, autocast=autocast, device="cuda")
-    for name, a, b in zip(["y", "dx", "dw_in", "dw_out"], plain, deferred, strict=True):
-        assert a.dtype == b.dtype and torch.equal(a, b), name
+    _assert_bitwise(_run(False, dtype, rows, autocast=autocast, device="cuda"),
+                    _run(True, dtype, rows, autocast=autocast, device="cuda"))
 
 
 def _order(defer: bool):
