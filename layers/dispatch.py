@@ -1,47 +1,95 @@
-"""The local token dispatcher: sort token copies by expert, and weight and sum the results back.
+"""The local token dispatcher, and the plan every dispatcher returns: sort token copies by
+expert, run them through the experts chunk by chunk, weight and sum the results back.
 
 Legend: T tokens, D model dim, N assignments (token copies), R rows kept (N minus drops),
 E experts, K slots per token (token-choice routing).
 
+The MoE layer (moe.py) runs four named phases, the same for every dispatcher:
+
+    routing, losses, stats = router(x_TD)                     route
+    x_RD, plan = dispatcher.dispatch(x_TD, routing)           dispatch
+    y_RD = experts(x_RD, plan)                                experts (experts.py)
+    y_TD = dispatcher.combine(y_RD, plan, weight_N)           combine
+
 This is the seam between single-device maths and communication: an expert-parallel dispatcher
 (in `moepar.parallel`) has the same two methods. `dispatch` returns a frozen plan that `combine`
-consumes, so nothing lives on `self` between the two (safe under recompute and pipelining).
+consumes, so nothing lives on `self` between the two (safe under recompute and pipelining), and
+`combine` takes the combine weights then, not at dispatch (the aux-loss injection rides on them,
+computed while the rows travel). `plan.chunks` are blocks of local experts whose rows travel
+together; `x_RD` and `y_RD` hold one tensor per chunk. A chunk's `arrive(rows)` gives its rows in
+expert order, ready for the grouped GEMM, and `depart(y)` sends the results on: here both are the
+identity (one chunk, rows already here); an all-to-all chunk waits for its rows and starts their
+way back (parallel/alltoall.py). Overlap is that chunking: chunk i's experts run while chunk i+1's
+rows arrive; the synchronous path is the same code with one chunk.
+
 The one host sync per layer is `counts_to_host` (the grouped GEMM and the all-to-all need group
 sizes on the host); everything else (counts, offsets, permutations) is built on the device, and
 backward never syncs.
 
 Token-choice routing (every token has K slots, n = t*K + k) moves rows by gathers only, forward
 and backward: the sort is a permutation of the N slots, so its inverse is a gather too, and the
-K copies of a token meet in a dense [T, K, D] sum. Routings without that structure (expert
-choice) and the dedup dispatcher sum rows into tokens with `sum_rows` / `gather_rows`: a stable
-sort builds a [T, M] table of each token's rows (M a static bound on the copies per token), and
-the rows are summed slot by slot in that fixed order. No float `index_add` (atomics on GPUs,
-whose order changes from run to run), so results are bit-reproducible on CUDA too.
+K copies of a token meet in a K-way sum. Routings without that structure (expert choice) and the
+dedup dispatcher sum rows into tokens with `sum_rows` / `gather_rows`: a stable sort builds a
+[T, M] table of each token's rows (M a static bound on the copies per token), and the rows are
+summed slot by slot in that fixed order. No float `index_add` (atomics on GPUs, whose order
+changes from run to run), so results are bit-reproducible on CUDA too.
 """
 
-import dataclasses
 from dataclasses import dataclass
 
 import torch
 
 from .router import Routing
 
-__all__ = ["LocalPlan", "LocalDispatcher", "sort_by_expert", "gather_sorted", "permute_rows",
-           "inverse_permutation", "counts_to_host", "group_offsets", "segment_slots", "sum_rows",
-           "gather_rows"]
+__all__ = ["ExpertChunk", "Sorted", "LocalPlan", "LocalDispatcher", "sort_by_expert",
+           "gather_sorted", "combine_sorted", "permute_rows", "inverse_permutation",
+           "counts_to_host", "group_offsets", "segment_slots", "sum_rows", "gather_rows"]
+
+
+@dataclass(frozen=True)
+class ExpertChunk:
+    """A block of this rank's experts whose rows travel together (the unit of overlap)."""
+    first_expert: int             # local experts [first_expert, first_expert + len(rows_per_expert))
+    rows_per_expert: list[int]    # host copy of the rows per expert (the grouped GEMM's groups)
+    offs_E: torch.Tensor          # their int32 cumulative sum on the device (grouped GEMM offsets)
+
+    # Whether the experts' weight gradients are worth computing after the input gradient has
+    # been sent back (experts.py `defer_weight_grads`): only when arrive's backward communicates.
+    defers_weight_grads = False
+
+    @property
+    def num_experts(self) -> int:
+        return len(self.rows_per_expert)
+
+    def arrive(self, rows):
+        """The chunk's rows in expert order, ready for the GEMMs (here: as they are)."""
+        return rows
+
+    def depart(self, y):
+        """Sends the chunk's expert outputs on toward combine (here: as they are)."""
+        return y
+
+
+@dataclass(frozen=True)
+class Sorted:
+    """How one rank's token copies were put in expert order, and how to sum them back."""
+    kept_R: torch.Tensor          # assignment (slot) index of each row, rows in expert-major order
+    token_R: torch.Tensor         # source token of each row
+    num_tokens: int
+    top_k: int | None             # set: slot layout (gather combine); None: scatter combine
+    slot_to_row_N: torch.Tensor | None  # inverse of the sort; dropped slots point at row R (zero)
+    rows_of_token_TM: torch.Tensor | None  # scatter layout: each token's rows (segment_slots)
 
 
 @dataclass(frozen=True)
 class LocalPlan:
-    kept_R: torch.Tensor          # assignment (slot) index of each row, rows in expert-major order
-    token_R: torch.Tensor         # source token of each row
-    rows_per_expert: list[int]    # host copy of the kept rows per expert (the one sync)
-    offs_E: torch.Tensor          # their int32 cumulative sum on the device (grouped GEMM offsets)
-    num_tokens: int
-    weight_N: torch.Tensor        # combine weight per assignment
-    top_k: int | None             # set: slot layout (gather combine); None: scatter combine
-    slot_to_row_N: torch.Tensor | None  # inverse of the sort; dropped slots point at row R (zero)
-    rows_of_token_TM: torch.Tensor | None  # scatter layout: each token's rows (segment_slots)
+    """The local dispatcher's plan: the sort, and one chunk holding every expert."""
+    sorted: Sorted
+    chunks: tuple[ExpertChunk, ...]
+
+    @property
+    def rows_per_expert(self) -> list[int]:
+        return [n for chunk in self.chunks for n in chunk.rows_per_expert]
 
 
 def counts_to_host(counts: torch.Tensor) -> list[int]:
@@ -222,10 +270,10 @@ def gather_rows(x_DD, index_S, slots_DM):
     return _GatherRows.apply(x_DD, index_S, slots_DM)
 
 
-def gather_sorted(x_TD, routing: Routing, order_N, rows_per_expert: list[int], counts_E):
-    """The rows of x for the kept assignments in `order_N`, and the plan to combine them back.
-    `rows_per_expert` is the host copy of the device `counts_E`."""
-    num_rows = sum(rows_per_expert)
+def gather_sorted(x_TD, routing: Routing, order_N, num_rows: int, num_experts: int):
+    """(x_RD, Sorted): the rows of x for the first `num_rows` (kept) assignments of `order_N`,
+    and how to combine them back. `num_rows` is a host number (the sum of the host counts);
+    `num_experts` the experts the copies were sorted over (it bounds a token's copies)."""
     kept_R = order_N[:num_rows]
     token_R = routing.token_N[kept_R]
     slot_to_row_N = rows_of_token_TM = None
@@ -236,46 +284,37 @@ def gather_sorted(x_TD, routing: Routing, order_N, rows_per_expert: list[int], c
         x_RD = _GatherTokens.apply(x_TD, token_R, slot_to_row_N, routing.top_k)
     else:
         # A token meets each expert at most once: as many rows as experts bound its copies.
-        rows_of_token_TM = segment_slots(token_R, x_TD.shape[0], counts_E.numel())
+        rows_of_token_TM = segment_slots(token_R, x_TD.shape[0], num_experts)
         x_RD = gather_rows(x_TD, token_R, rows_of_token_TM)
-    plan = LocalPlan(kept_R, token_R, rows_per_expert, group_offsets(counts_E), x_TD.shape[0],
-                     routing.weight_N, routing.top_k, slot_to_row_N, rows_of_token_TM)
-    return x_RD, plan
+    return x_RD, Sorted(kept_R, token_R, x_TD.shape[0], routing.top_k, slot_to_row_N,
+                        rows_of_token_TM)
 
 
 class LocalDispatcher:
-    """Dispatch for experts that all live on this device."""
+    """Dispatch for experts that all live on this device: one chunk, no communication."""
 
     def __init__(self, num_experts: int):
         self.num_experts = num_experts
 
     def dispatch(self, x_TD: torch.Tensor, routing: Routing):
-        """Returns (x_RD rows grouped by expert, plan). Dropped copies (expert == E) are cut off."""
+        """((x_RD,), plan): rows grouped by expert, dropped copies (expert == E) cut off."""
         order_N, counts_E = sort_by_expert(routing.expert_N, self.num_experts)
-        return gather_sorted(x_TD, routing, order_N, counts_to_host(counts_E), counts_E)
+        rows_per_expert = counts_to_host(counts_E)
+        x_RD, sorted_ = gather_sorted(x_TD, routing, order_N, sum(rows_per_expert),
+                                      self.num_experts)
+        chunk = ExpertChunk(0, rows_per_expert, group_offsets(counts_E))
+        return (x_RD,), LocalPlan(sorted_, (chunk,))
 
-    def combine(self, y_RD: torch.Tensor, plan: LocalPlan) -> torch.Tensor:
-        return combine_sorted(y_RD, plan)
-
-    # The MoE layer's two phases (every dispatcher has them): `start` sends the rows (an EP
-    # dispatcher issues its collectives here and returns while they are in flight), `finish`
-    # runs the experts and combines with `weight_N`, which may differ from routing.weight_N
-    # (the aux-loss injection rides on it, computed while the dispatch is in flight).
-
-    def start(self, x_TD: torch.Tensor, routing: Routing):
-        return self.dispatch(x_TD, routing)
-
-    def finish(self, started, experts, weight_N: torch.Tensor) -> torch.Tensor:
-        x_RD, plan = started
-        y_RD = experts(x_RD, plan.rows_per_expert, plan.offs_E)
-        return combine_sorted(y_RD, dataclasses.replace(plan, weight_N=weight_N))
+    def combine(self, y_RD, plan: LocalPlan, weight_N: torch.Tensor) -> torch.Tensor:
+        (y,) = y_RD
+        return combine_sorted(y, plan.sorted, weight_N)
 
 
-def combine_sorted(y_RD: torch.Tensor, plan: LocalPlan) -> torch.Tensor:
+def combine_sorted(y_RD: torch.Tensor, sorted_: Sorted, weight_N: torch.Tensor) -> torch.Tensor:
     """y_TD = sum over each token's kept copies of weight * expert output (zero if all dropped)."""
-    if plan.top_k is not None:
-        return _CombineSlots.apply(y_RD, plan.weight_N, plan.slot_to_row_N, plan.kept_R,
-                                   plan.token_R, plan.num_tokens)
-    dtype = torch.promote_types(y_RD.dtype, plan.weight_N.dtype)
-    weighted_RD = y_RD.to(dtype) * plan.weight_N.index_select(0, plan.kept_R).to(dtype).unsqueeze(-1)
-    return sum_rows(weighted_RD, plan.token_R, plan.rows_of_token_TM)
+    if sorted_.top_k is not None:
+        return _CombineSlots.apply(y_RD, weight_N, sorted_.slot_to_row_N, sorted_.kept_R,
+                                   sorted_.token_R, sorted_.num_tokens)
+    dtype = torch.promote_types(y_RD.dtype, weight_N.dtype)
+    weighted_RD = y_RD.to(dtype) * weight_N.index_select(0, sorted_.kept_R).to(dtype).unsqueeze(-1)
+    return sum_rows(weighted_RD, sorted_.token_R, sorted_.rows_of_token_TM)

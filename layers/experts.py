@@ -8,7 +8,6 @@ then up) so each expert costs two GEMMs, not three.
 """
 
 from collections.abc import Callable
-from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -18,7 +17,7 @@ from torch.autograd.graph import get_gradient_edge
 from .grouped_mm import grouped_mm
 
 __all__ = ["ACTIVATIONS", "GroupedExperts", "FeedForward", "SharedExperts", "expert_ffn",
-           "CastCache", "ExpertsPipeline", "defer_weight_grads"]
+           "CastCache", "defer_weight_grads"]
 
 ACTIVATIONS = ("swiglu", "gelu")
 
@@ -93,8 +92,10 @@ class CastCache:
 class GroupedExperts(nn.Module):
     """E experts with weights stacked on dim 0: `w_in_EDH` [E, D, 2F or F], `w_out_EFD` [E, F, D].
 
-    forward(x_RD, rows_per_expert, offs_E) runs expert e on its contiguous block of rows; no Python loop
-    over experts. Expert parallelism shards dim 0 (each rank holds its local experts).
+    forward(x_RD, plan) runs expert e on its contiguous block of rows of each chunk of a
+    dispatcher's plan; no Python loop over experts. Expert parallelism shards dim 0 (each rank
+    holds its local experts). `ffn(x_RD, rows_per_expert, offs_E, w_in, w_out)` is the maths
+    alone, for rows already grouped by expert.
     """
 
     def __init__(self, num_experts: int, dim: int, ffn_dim: int, activation: str = "swiglu",
@@ -112,53 +113,43 @@ class GroupedExperts(nn.Module):
         # fn so that backward runs it again instead of keeping its activations.
         self.recompute: Callable | None = None
 
-    def forward(self, x_RD, rows_per_expert: list[int] | None = None,
-                offs_E: torch.Tensor | None = None):
-        """`offs_E`: the int32 cumulative rows per expert on the device, as the dispatchers' plans
-        carry it; built from the host list (a host-to-device copy) only when not given.
-
-        `x_RD` may instead be an `ExpertsPipeline` that runs the experts itself, block by block
-        between its all-to-alls (the all-to-all dispatchers' overlap). It runs inside this call
-        so module hooks (FSDP's unshard and reshard) see the experts called once, as on the
-        synchronous path.
-        """
+    def forward(self, x_RD, plan):
+        """y_RD: the experts on the rows of each chunk of `plan` (a dispatcher's, see
+        layers/dispatch.py). `x_RD` and `y_RD` hold one tensor per chunk: chunk c's rows reach
+        the GEMMs through `chunk.arrive` (under expert parallelism, a wait for their all-to-all)
+        and its outputs leave through `chunk.depart`, so chunk c's GEMMs run while the next
+        chunk's rows travel. One call for every chunk, so module hooks (FSDP's unshard and
+        reshard) see the experts called once, with the rows as their tensor input."""
         w_in, w_out = self.w_in_EDH, self.w_out_EFD
         if self.casts is not None:
             w_in, w_out = self.casts.get(w_in), self.casts.get(w_out)
-        if isinstance(x_RD, ExpertsPipeline):
-            return x_RD.run(w_in, w_out, self.ffn, x_RD.anchor)
-        if offs_E is None:
-            offs_E = torch.tensor(rows_per_expert, device=x_RD.device).cumsum(0).to(torch.int32)
-        return self.ffn(x_RD, rows_per_expert, offs_E, w_in, w_out)
+        chunks = plan.chunks
+        if len(chunks) > 1:
+            sizes = [chunk.num_experts for chunk in chunks]
+            w_ins, w_outs = w_in.split(sizes), w_out.split(sizes)
+        else:
+            w_ins, w_outs = (w_in,), (w_out,)
+        y_RD = []
+        for chunk, rows, w_in, w_out in zip(chunks, x_RD, w_ins, w_outs, strict=True):
+            later = None
+            if chunk.defers_weight_grads:
+                # Before arrive records its wait: backward then sends the input gradient back
+                # first and computes the weight gradients while it travels.
+                w_in, w_out, later = defer_weight_grads(w_in, w_out)
+            y = self.ffn(chunk.arrive(rows), chunk.rows_per_expert, chunk.offs_E, w_in, w_out,
+                         later)
+            y_RD.append(chunk.depart(y))
+        return tuple(y_RD)
 
     def ffn(self, x_RD, rows_per_expert: list[int], offs_E, w_in_EDH, w_out_EFD, later=None):
-        """`expert_ffn` with this module's activation on (a block of) its weights, what an
-        `ExpertsPipeline` calls per block. Under recompute only this is run again in backward
-        (never a pipeline's all-to-alls), and nothing is deferred (`later` is not used)."""
+        """`expert_ffn` with this module's activation on (a block of) its weights. Under
+        recompute only this is run again in backward (never a dispatcher's all-to-alls), and
+        nothing is deferred (`later` is not used)."""
         if self.recompute is not None:
             return self.recompute(expert_ffn, x_RD, rows_per_expert, offs_E, w_in_EDH, w_out_EFD,
                                   self.activation)
         return expert_ffn(x_RD, rows_per_expert, offs_E, w_in_EDH, w_out_EFD, self.activation,
                           later)
-
-
-class ExpertsPipeline(NamedTuple):
-    """What a dispatcher passes to `GroupedExperts` in place of rows. `run(w_in, w_out, ffn,
-    anchor)` runs the experts, block by block with `ffn` (`GroupedExperts.ffn`), on the
-    module's weights and returns the result.
-    `anchor` (`ExpertsPipeline.of`): a scalar that needs a gradient, the call's tensor input.
-    Hooks that fire once backward has passed a module's inputs (FSDP2's post-backward:
-    reshard, reduce-scatter the gradients) need one; `defer_weight_grads` ties it to the
-    weights, so its (zero) gradient arrives once their gradients are complete. Without it FSDP2
-    would run that post-backward only when the whole backward ends, holding every layer's
-    unsharded weights and gradients until then."""
-    run: Callable
-    anchor: torch.Tensor | None
-
-    @classmethod
-    def of(cls, run: Callable, device) -> "ExpertsPipeline":
-        grad = torch.is_grad_enabled()
-        return cls(run, torch.zeros((), device=device, requires_grad=True) if grad else None)
 
 
 def expert_ffn(x_RD, rows_per_expert: list[int], offs_E, w_in_EDH, w_out_EFD, activation: str,
@@ -213,14 +204,12 @@ _ONCE = ("the experts' deferred weight gradients (layers/experts.py) allow one b
 
 
 class _WeightGrads(torch.autograd.Function):
-    """Forward: views of the weights (and the pipeline's anchor, tied to them). Backward: their
-    gradients from the deferring call's inner graph (what arrives is the zeros that call
-    returned for them), or what arrives, as is, when no call deferred; a zero for the anchor."""
+    """Forward: views of the weights. Backward: their gradients from the deferring call's inner
+    graph (what arrives is the zeros that call returned for them)."""
 
     @staticmethod
-    def forward(ctx, w_in_EDH, w_out_EFD, anchor, later):
+    def forward(ctx, w_in_EDH, w_out_EFD, later):
         ctx.later = later
-        ctx.anchor = None if anchor is None else (anchor.dtype, anchor.device)
         outs = w_in_EDH.view_as(w_in_EDH), w_out_EFD.view_as(w_out_EFD)
         ctx.mark_non_differentiable(*(o for o, w in zip(outs, (w_in_EDH, w_out_EFD))
                                       if not w.requires_grad))
@@ -228,11 +217,9 @@ class _WeightGrads(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_in, grad_out):
-        grad_anchor = None if ctx.anchor is None else torch.zeros((), dtype=ctx.anchor[0],
-                                                                   device=ctx.anchor[1])
         later = ctx.later
-        if later is None or later.grads is None:
-            return grad_in, grad_out, grad_anchor, None
+        if later.grads is None:
+            return grad_in, grad_out, None
         if later.inner is None or torch.is_grad_enabled():
             raise RuntimeError(_ONCE)
         (h_edge, y_edge, w_in_, w_out_), (grad_h, grad_y) = later.inner, later.grads
@@ -241,7 +228,7 @@ class _WeightGrads(torch.autograd.Function):
             (grad_in,) = torch.autograd.grad(h_edge, w_in_, grad_h)
         if w_out_.requires_grad:
             (grad_out,) = torch.autograd.grad(y_edge, w_out_, grad_y)
-        return grad_in, grad_out, grad_anchor, None
+        return grad_in, grad_out, None
 
 
 class _DeferredFFN(torch.autograd.Function):
@@ -288,20 +275,19 @@ def _saved_tensor_hooks_active() -> bool:
     return torch._C._autograd._top_saved_tensors_default_hooks(False) is not None
 
 
-def defer_weight_grads(w_in_EDH, w_out_EFD, anchor=None):
+def defer_weight_grads(w_in_EDH, w_out_EFD):
     """(w_in, w_out, later): pass the weights and `later` to `expert_ffn`, and its backward gives
     the input gradient, and then, as the next node autograd runs after those recorded since
     this call, the weight gradients. Call it before recording the node that should run in
     between (the all-to-all's wait). `later` is None when nothing is to be deferred: no
     gradient to compute, or saved-tensor hooks at work (activation recompute, or offloading:
-    the inner graph would hide its tensors from them). `anchor` (an `ExpertsPipeline`'s) is
-    tied to the weights either way, to get its gradient once theirs are complete."""
+    the inner graph would hide its tensors from them)."""
     if not (torch.is_grad_enabled() and (w_in_EDH.requires_grad or w_out_EFD.requires_grad)):
         return w_in_EDH, w_out_EFD, None
-    later = None if _saved_tensor_hooks_active() else LaterWeightGrads()
-    if later is None and anchor is None:
+    if _saved_tensor_hooks_active():
         return w_in_EDH, w_out_EFD, None
-    return *_WeightGrads.apply(w_in_EDH, w_out_EFD, anchor, later), later
+    later = LaterWeightGrads()
+    return *_WeightGrads.apply(w_in_EDH, w_out_EFD, later), later
 
 
 class FeedForward(nn.Module):

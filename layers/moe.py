@@ -2,14 +2,15 @@
 
 Legend: T tokens, D model dim, R rows sent to experts, S sequence length.
 
-    x_TD -> router(defer_losses=True) -> routing
-         -> dispatcher.start(x_TD, routing)                  (EP: all-to-alls in flight)
-            | router losses and stats, aux-loss injection, shared experts   (overlap)
-         -> dispatcher.finish(started, experts, weight_N) -> y_TD  (+ shared experts)
+    routing, losses, stats = router(x_TD)                      route
+    x_RD, plan = dispatcher.dispatch(x_TD, routing)            dispatch (EP: rows in flight)
+        aux-loss injection, shared experts                     (while the rows travel)
+    y_RD = experts(x_RD, plan)                                 experts: grouped GEMMs per chunk
+    y_TD = dispatcher.combine(y_RD, plan, weight_N)            combine (+ shared experts)
 
-`finish` runs the experts (grouped GEMMs) on the dispatched rows and combines them; the local
-dispatcher's pair is dispatch -> experts -> combine, the all-to-all one pipelines chunks of
-experts between its asynchronous all-to-alls (parallel/alltoall.py).
+The dispatcher is the seam parallelisms swap (layers/dispatch.py has the local one and the plan
+every dispatcher returns; parallel/alltoall.py, dedup.py, allgather.py the expert-parallel ones);
+overlap of communication with the experts' GEMMs is the plan's chunking, not another code path.
 
 Aux losses are returned, never kept in a module global. With `aux_loss_scale` set, the layer also
 attaches their gradient inside autograd (scale-and-inject): the output is unchanged and backward
@@ -126,16 +127,14 @@ class MoE(nn.Module):
         seq_len = x.shape[-2] if x.dim() >= 2 else 1
         x_TD = x.reshape(-1, self.dim)
         # Through the modules' own calls, so their hooks (FSDP unshard) run as usual.
-        routing, finish_router = self.router(x_TD, seq_len=seq_len if x.dim() > 2 else None,
-                                             defer_losses=True)
-        started = self.dispatcher.start(x_TD, routing)
-        # While the dispatch is in flight (EP): the router's losses and the shared experts.
-        losses, stats = finish_router()
+        routing, losses, stats = self.router(x_TD, seq_len=seq_len if x.dim() > 2 else None)
+        x_RD, plan = self.dispatcher.dispatch(x_TD, routing)
         weight_N = routing.weight_N
         if self.aux_loss_scale is not None:
             weight_N, losses = self._inject(weight_N, losses, balance)
         shared_TD = self.shared(x_TD) if self.shared is not None else None
-        y_TD = self.dispatcher.finish(started, self.experts, weight_N).to(x.dtype)
+        y_RD = self.experts(x_RD, plan)
+        y_TD = self.dispatcher.combine(y_RD, plan, weight_N).to(x.dtype)
         if shared_TD is not None:
             y_TD = y_TD + shared_TD
         return MoEOutput(y_TD.view(x.shape[:-1] + (y_TD.shape[-1],)), losses, stats)

@@ -18,6 +18,7 @@ call's or deferred to the micro-batch's holder (balance.py) follows the config, 
 import math
 from fractions import Fraction
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -26,7 +27,7 @@ from torch import nn
 from .balance import (BALANCE_LOSSES, BALANCE_SCOPES, BalanceParts, expert_counts,
                       sequence_balance_loss, switch_balance_loss, z_loss)
 
-__all__ = ["RouterConfig", "Routing", "RouterLosses", "RoutingStats", "TopKRouter",
+__all__ = ["RouterConfig", "Routing", "RouterLosses", "RoutingStats", "RouterOutput", "TopKRouter",
            "ExpertChoiceRouter", "build_router", "capacity", "expert_counts", "switch_balance_loss",
            "sequence_balance_loss", "z_loss"]
 
@@ -142,6 +143,14 @@ class RoutingStats:
     num_assignments: int               # T*K (top-k) or T (expert choice): drop fraction's denominator
 
 
+class RouterOutput(NamedTuple):
+    """What every router returns: the routing the dispatcher needs, the losses (`total` carries
+    gradient) and the detached load statistics of the call."""
+    routing: Routing
+    losses: RouterLosses
+    stats: RoutingStats
+
+
 def capacity(num_tokens: int, top_k: int, capacity_factor: float, num_experts: int) -> int:
     """Expert capacity for one group: ceil(tokens * k * capacity_factor / experts).
 
@@ -209,19 +218,8 @@ class TopKRouter(_RouterBase):
             choice_TE = choice_TGe.masked_fill(~keep_TG[..., None], float("-inf")).view(num_tokens, -1)
         return choice_TE.topk(self.top_k, dim=-1).indices
 
-    def forward(self, x_TD, seq_len: int | None = None, defer_losses: bool = False):
-        """Returns (Routing, RouterLosses, RoutingStats) for one capacity group of T tokens.
-
-        With `defer_losses`: (Routing, finish), the routing the dispatch needs and a callable
-        that returns (RouterLosses, RoutingStats). The MoE layer calls `finish` while the
-        dispatch is in flight: nothing the dispatch reads waits for the balance and z losses,
-        and `finish` reads only tensors this call made (no parameter: under FSDP they may be
-        resharded by then).
-        """
-        routing, finish = self._route(x_TD, seq_len)
-        return (routing, finish) if defer_losses else (routing, *finish())
-
-    def _route(self, x_TD, seq_len: int | None = None):
+    def forward(self, x_TD, seq_len: int | None = None) -> "RouterOutput":
+        """(Routing, RouterLosses, RoutingStats) for one capacity group of T tokens."""
         cfg, num_tokens = self.cfg, x_TD.shape[0]
         logits_TE = self.logits(x_TD)
         scores_TE = self.scores(logits_TE)
@@ -240,12 +238,8 @@ class TopKRouter(_RouterBase):
             expert_N = torch.where(keep_N, expert_N, self.num_experts)
         token_N = torch.arange(num_tokens, device=x_TD.device).repeat_interleave(self.top_k)
         routing = Routing(token_N, expert_N, weight_N, self.top_k)
-        return routing, self._finisher(
-            lambda: self._losses(logits_TE, scores_TE, experts_TK, expert_N, seq_len))
-
-    def _finisher(self, finish):
-        """The losses wait for the MoE layer's call (they overlap the dispatch)."""
-        return finish
+        return RouterOutput(routing, *self._losses(logits_TE, scores_TE, experts_TK, expert_N,
+                                                   seq_len))
 
     def _keep(self, expert_N, weight_N, seq_len: int):
         """Capacity: True for the assignments kept (the group is this call's tokens)."""
@@ -326,12 +320,8 @@ class ExpertChoiceRouter(_RouterBase):
     C = ceil(T*K*cf/E), capped at T. `num_dropped` counts tokens no expert picked.
     """
 
-    def forward(self, x_TD, seq_len: int | None = None, defer_losses: bool = False):
-        """As `TopKRouter.forward`; deferred, the z-loss and the stats come from `finish`."""
-        routing, finish = self._route(x_TD, seq_len)
-        return (routing, finish) if defer_losses else (routing, *finish())
-
-    def _route(self, x_TD, seq_len: int | None = None):
+    def forward(self, x_TD, seq_len: int | None = None) -> "RouterOutput":
+        """As `TopKRouter.forward`; the balance losses are zero (balanced by construction)."""
         num_tokens = x_TD.shape[0]
         logits_TE = self.logits(x_TD)
         scores_TE = torch.softmax(logits_TE, dim=-1)
@@ -340,21 +330,16 @@ class ExpertChoiceRouter(_RouterBase):
         weight_EC, token_EC = scores_TE.t().topk(cap, dim=-1)
         expert_N = torch.arange(self.num_experts, device=x_TD.device).repeat_interleave(cap)
         routing = Routing(token_EC.flatten(), expert_N, weight_EC.flatten())
-
-        def finish():
-            z = _logged_unless(self.cfg.z_coeff, z_loss, logits_TE)
-            zero = z.new_zeros(())
-            losses = RouterLosses(self.cfg.z_coeff * z if self.cfg.z_coeff else zero, zero, zero,
-                                  z.detach())
-            # index_fill_ takes the value as a scalar; `chosen_T[idx] = True` copies it from
-            # the host.
-            chosen_T = torch.zeros(num_tokens, dtype=torch.bool, device=x_TD.device).index_fill_(
-                0, token_EC.flatten(), True)
-            stats = RoutingStats(torch.full((self.num_experts,), float(cap), device=x_TD.device),
-                                 (~chosen_T).sum(), num_tokens)
-            return losses, stats
-
-        return routing, finish
+        z = _logged_unless(self.cfg.z_coeff, z_loss, logits_TE)
+        zero = z.new_zeros(())
+        losses = RouterLosses(self.cfg.z_coeff * z if self.cfg.z_coeff else zero, zero, zero,
+                              z.detach())
+        # index_fill_ takes the value as a scalar; `chosen_T[idx] = True` copies it from the host.
+        chosen_T = torch.zeros(num_tokens, dtype=torch.bool, device=x_TD.device).index_fill_(
+            0, token_EC.flatten(), True)
+        stats = RoutingStats(torch.full((self.num_experts,), float(cap), device=x_TD.device),
+                             (~chosen_T).sum(), num_tokens)
+        return RouterOutput(routing, losses, stats)
 
 
 def build_router(dim: int, num_experts: int, top_k: int, cfg: RouterConfig) -> nn.Module:

@@ -27,6 +27,8 @@ __all__ = ["RunConfig", "ParallelConfig", "TrainConfig", "DataConfig", "OutputCo
            "to_dict", "sections_toml", "config_reference"]
 
 DTYPES = ("float32", "bfloat16", "float16", "float64")
+# Keys an older moepar read, and what says the same now (a config that sets one is refused with this).
+RENAMED = {"parallel.dedup": 'set parallel.dispatcher = "dedup" (the dispatcher kinds are one key)'}
 DATA_SOURCES = ("builtin", "text", "tokens")
 TOKEN_DTYPES = ("uint8", "uint16", "int32", "int64")
 
@@ -39,8 +41,7 @@ class ParallelConfig:
     pp: int = 1
     ep: int = 1
     zero: int = 0                # 0 DDP; ZeRO 1 (optimizer state), 2 (+ gradients), 3 (+ parameters)
-    dispatcher: str = "alltoall"  # token dispatch under ep > 1: "alltoall" or "allgather"
-    dedup: bool = False          # alltoall: send a token once per EP rank, not once per expert
+    dispatcher: str = "alltoall"  # under ep > 1: alltoall, dedup (a token once per EP rank), allgather
     debug_splits: bool = False   # check all-to-all split sizes across ranks (raises, never hangs)
     a2a_chunks: int = 1          # alltoall: expert chunks pipelined between async all-to-alls
     backend: str = "auto"        # process group backend: auto (nccl on CUDA, else gloo), gloo, nccl
@@ -65,8 +66,6 @@ class ParallelConfig:
                              f"{', '.join(map(repr, DISPATCHERS))}")
         if self.a2a_chunks < 1:
             raise ValueError(f"parallel.a2a_chunks={self.a2a_chunks} must be >= 1")
-        if self.dedup and self.dispatcher != "alltoall":
-            raise ValueError("parallel.dedup=true needs parallel.dispatcher='alltoall'")
         check_number("parallel.bucket_mb", self.bucket_mb, strict=True)
         if self.pp_schedule not in SCHEDULES:
             raise ValueError(f"parallel.pp_schedule={self.pp_schedule!r} is not one of "
@@ -384,6 +383,9 @@ def _build(tree: dict, source: str, overridden: set = frozenset()) -> RunConfig:
         for key, value in values.items():
             if key not in field_hints:
                 where = "command line" if (name, key) in overridden else source
+                if f"{name}.{key}" in RENAMED:
+                    raise ValueError(f"{where}: config key '{name}.{key}' is gone: "
+                                     f"{RENAMED[f'{name}.{key}']}")
                 raise ValueError(f"{where}: unknown config key '{name}.{key}'; allowed keys in "
                                  f"[{name}]: {', '.join(field_hints)}")
             kwargs[key] = _convert(f"{name}.{key}", value, field_hints[key])

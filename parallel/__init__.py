@@ -53,7 +53,7 @@ def parallelize(model, layout: Layout, options: Options) -> ParallelModel:
     canonical = canonical_tensors(model)              # the whole model's names and shapes
     moe_layer_ids = [block.layer_id for block in model.layers if block.is_moe]
     if dims.ep > 1:
-        apply_ep(model, dims, layout.meshes, layout.rank, p.dispatcher, p.dedup, p.debug_splits,
+        apply_ep(model, dims, layout.meshes, layout.rank, p.dispatcher, p.debug_splits,
                  p.a2a_chunks)
     if dims.tp > 1:
         apply_tp(model, dims, layout.meshes, options.seq_len)

@@ -14,12 +14,12 @@ Moves (P-1)*T*D per rank each way whatever the routing, so it suits small EP; ev
 hold the same T. One host sync per layer (rows per local expert).
 """
 
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 
 import torch
 
-from moepar.layers.dispatch import (LocalPlan, combine_sorted, counts_to_host, gather_sorted,
-                                    sort_by_expert)
+from moepar.layers.dispatch import (ExpertChunk, Sorted, combine_sorted, counts_to_host,
+                                    gather_sorted, group_offsets, sort_by_expert)
 from moepar.layers.router import Routing
 
 from .comm import all_gather_rows, group_size, reduce_scatter_rows, to_wire
@@ -29,9 +29,12 @@ __all__ = ["AllGatherDispatcher", "AllGatherPlan"]
 
 @dataclass(frozen=True)
 class AllGatherPlan:
-    local: LocalPlan
-    rows_per_expert: list[int]
-    offs_E: torch.Tensor
+    sorted: Sorted                # the EP group's copies of my experts, sorted by local expert
+    chunks: tuple[ExpertChunk]    # one: the gathered rows are all here
+
+    @property
+    def rows_per_expert(self) -> list[int]:
+        return self.chunks[0].rows_per_expert
 
 
 class AllGatherDispatcher:
@@ -44,21 +47,7 @@ class AllGatherDispatcher:
         self.first = ep_rank * self.num_local
 
     def dispatch(self, x_TD: torch.Tensor, routing: Routing):
-        x_RD, plan = self.start(x_TD, routing)
-        return x_RD, self._with_weights(plan, routing.weight_N)
-
-    def finish(self, started, experts, weight_N: torch.Tensor) -> torch.Tensor:
-        x_RD, plan = started
-        plan = self._with_weights(plan, weight_N)
-        return self.combine(experts(x_RD, plan.rows_per_expert, plan.offs_E), plan)
-
-    def _with_weights(self, plan: AllGatherPlan, weight_N):
-        """The combine weights of every rank's copies (gathered once the caller has them)."""
-        local = replace(plan.local, weight_N=all_gather_rows(weight_N, self.group))
-        return replace(plan, local=local)
-
-    def start(self, x_TD: torch.Tensor, routing: Routing):
-        """Gathers the tokens and their expert ids (not the weights: see `finish`)."""
+        """Gathers the tokens and their expert ids (not the weights: see `combine`)."""
         num_tokens = x_TD.shape[0]
         x_all = all_gather_rows(to_wire(x_TD), self.group)
         expert_all = all_gather_rows(routing.expert_N, self.group)
@@ -72,10 +61,13 @@ class AllGatherDispatcher:
         local_routing = Routing(token_all, local_e, None, routing.top_k)
         order_N, counts = sort_by_expert(local_e, self.num_local)
         rows = counts_to_host(counts)   # the one host sync
-        x_RD, local = gather_sorted(x_all, local_routing, order_N, rows, counts)
-        return x_RD, AllGatherPlan(local, rows, local.offs_E)
+        x_RD, sorted_ = gather_sorted(x_all, local_routing, order_N, sum(rows), self.num_local)
+        return (x_RD,), AllGatherPlan(sorted_, (ExpertChunk(0, rows, group_offsets(counts)),))
 
-    def combine(self, y_RD: torch.Tensor, plan: AllGatherPlan) -> torch.Tensor:
-        partial_all = combine_sorted(y_RD, plan.local)   # [P*T, D], my experts' share only
+    def combine(self, y_RD, plan: AllGatherPlan, weight_N: torch.Tensor) -> torch.Tensor:
+        """The combine weights of every rank's copies (gathered now that the caller has them),
+        my experts' share of every token, summed over the group by a reduce-scatter."""
+        (y,) = y_RD
+        partial_all = combine_sorted(y, plan.sorted, all_gather_rows(weight_N, self.group))
         # Partial sums stay in their promoted dtype: the reduce-scatter adds them on the wire.
         return reduce_scatter_rows(partial_all, self.group)

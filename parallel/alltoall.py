@@ -17,63 +17,71 @@ Only kept copies travel (capacity mode never pads on the wire): bytes out = kept
 Rows arrive source-major (all of rank 0's rows for my experts, then rank 1's, ...) and are
 permuted to expert-major for the grouped GEMM; that permutation and its inverse are gathers.
 
-Overlap (`start` / `finish`, what the MoE layer calls): the row all-to-alls are asynchronous
+Overlap is the plan's chunking (layers/dispatch.py): the row all-to-alls are asynchronous
 (comm.py `all_to_all_start` / `all_to_all_wait`). The local experts are cut into C chunks of
 El/C experts (`parallel.a2a_chunks`, clamped to a divisor of El); copies are sorted chunk-major
-(chunk, destination rank, expert), so each chunk's rows leave in one all-to-all. `start` issues
-every chunk's dispatch and returns: the router's losses and the shared experts run meanwhile.
-`finish` waits chunk i, runs its experts and issues its combine while chunk i+1's dispatch and
-chunk i-1's combine are in flight; autograd replays the same interleaving in reverse, with one
-change: a chunk's experts give their input gradient, its all-to-all is issued, and then their
+(chunk, destination rank, expert), so each chunk's rows leave in one all-to-all. `dispatch`
+issues every chunk's rows and returns: the aux-loss injection and the shared experts run
+meanwhile. The experts (layers/experts.py) take chunk i's rows (`arrive`: wait, permute), run its
+GEMMs and send the results back (`depart`) while chunk i+1's rows and chunk i-1's results are in
+flight; `combine` waits for the results. Autograd replays the same interleaving in reverse, with
+one change: a chunk's experts give their input gradient, its all-to-all is issued, and then their
 weight gradients are computed while it travels (layers/experts.py `defer_weight_grads`). Each
-expert sees exactly the rows, in the order, of the synchronous path (`dispatch` / `combine`,
-one chunk), and the per-expert GEMMs are the same calls, so results are bit-identical.
+expert sees exactly the rows, in the order, of one chunk, and the per-expert GEMMs are the same
+calls, so any chunking gives bit-identical results.
 """
 
-from dataclasses import dataclass, replace
-from functools import partial
+from collections.abc import Callable
+from dataclasses import dataclass
 
 import torch
 
-from moepar.layers.dispatch import (LocalPlan, combine_sorted, counts_to_host, gather_sorted,
-                                    group_offsets, inverse_permutation, permute_rows,
-                                    sort_by_expert)
-from moepar.layers.experts import ExpertsPipeline, defer_weight_grads
+from moepar.layers.dispatch import (ExpertChunk, Sorted, combine_sorted, counts_to_host,
+                                    gather_sorted, group_offsets, inverse_permutation,
+                                    permute_rows, sort_by_expert)
 from moepar.layers.router import Routing
 
-from .comm import all_to_all, all_to_all_start, all_to_all_wait, group_size, to_wire
+from .comm import (Flight, all_to_all, all_to_all_start, all_to_all_wait, flight, group_size,
+                   to_wire)
 from .splitcheck import split_check
 
 __all__ = ["AllToAllDispatcher", "AllToAllPlan", "AllToAllChunk", "source_to_expert_major"]
 
 
 @dataclass(frozen=True)
-class AllToAllChunk:
-    """One chunk of local experts: what travels, and how arrivals become expert-major."""
-    first_expert: int             # local experts [first_expert, first_expert + len(rows_per_expert))
+class AllToAllChunk(ExpertChunk):
+    """One chunk of local experts: what travels, how arrivals become expert-major, and the two
+    asynchronous all-to-alls (rows out, results back) that carry it."""
     send_splits: list[int]        # rows to each EP rank
     recv_splits: list[int]        # rows from each EP rank
     to_expert_major: torch.Tensor  # received rows -> expert-major order
     to_source_major: torch.Tensor  # its inverse
-    rows_per_expert: list[int]    # rows per local expert of the chunk (the grouped GEMM's groups)
-    offs_E: torch.Tensor          # their int32 cumulative sum, on the device
+    out: Flight | None            # the rows' all-to-all (started by dispatch)
+    back: Flight | None           # the results' all-to-all (started by depart, waited by combine)
+    check: Callable               # the split check (parallel.debug_splits), or a no-op
+
+    defers_weight_grads = True    # arrive's backward sends the input gradient back
+
+    def arrive(self, rows):
+        """Waits for the chunk's rows and puts them in expert order."""
+        x_recv = all_to_all_wait(rows, self.out)
+        return permute_rows(x_recv, self.to_expert_major, self.to_source_major)
+
+    def depart(self, y_RD):
+        """Back in arrival order, and on their way to the ranks that sent them."""
+        y_recv = permute_rows(y_RD, self.to_source_major, self.to_expert_major)
+        self.check(self.recv_splits, self.send_splits, "combine", y_RD.device)
+        return all_to_all_start(y_recv, self.back)
 
 
 @dataclass(frozen=True)
 class AllToAllPlan:
-    local: LocalPlan              # how this rank's own copies were sorted and will be combined
+    sorted: Sorted                # how this rank's own copies were sorted and will be combined
     chunks: tuple[AllToAllChunk, ...]
 
     @property
     def rows_per_expert(self) -> list[int]:
         return [n for chunk in self.chunks for n in chunk.rows_per_expert]
-
-
-@dataclass(frozen=True)
-class _Started:
-    """What `start` leaves in flight for `finish`."""
-    plan: AllToAllPlan
-    arriving: list                # per chunk: (rows, flight) of all_to_all_start
 
 
 def source_to_expert_major(recv_counts, total: int | None = None, device=None) -> torch.Tensor:
@@ -104,9 +112,8 @@ def source_to_expert_major(recv_counts, total: int | None = None, device=None) -
 class AllToAllDispatcher:
     """Same methods as `LocalDispatcher`; experts [ep_rank*El, (ep_rank+1)*El) live here.
 
-    `chunks`: expert chunks of the overlapped path (the config's `parallel.a2a_chunks`); the
-    largest divisor of El not above it is used. `timer` (an A2ATimer, benchmarks only) clocks
-    the asynchronous all-to-alls.
+    `chunks`: expert chunks of the plan (the config's `parallel.a2a_chunks`); the largest divisor
+    of El not above it is used. `timer` (an A2ATimer, benchmarks only) clocks the all-to-alls.
     """
 
     def __init__(self, num_experts: int, group, layer_id: int = 0, debug: bool = False,
@@ -153,13 +160,14 @@ class AllToAllDispatcher:
             local_N % size
         return torch.where(expert_N == self.num_experts, expert_N, key_N)
 
-    def _route(self, x_TD, routing: Routing, chunks: int):
-        """Sorts, exchanges counts (the one sync) and gathers the rows to send, chunk-major."""
-        P, size = self.ep, self.num_local // chunks
+    def dispatch(self, x_TD: torch.Tensor, routing: Routing):
+        """Sorts the copies chunk-major, exchanges counts (the one sync), and starts every
+        chunk's rows on their way: (x_RD, plan), x_RD one tensor per chunk, in flight."""
+        P, size, chunks = self.ep, self.num_local // self.chunks, self.chunks
         order_N, counts_K = sort_by_expert(self._chunk_major(routing.expert_N, chunks),
                                            self.num_experts)
         sent, received, recv_PE = self.exchange_counts(counts_K, chunks)
-        x_SD, local = gather_sorted(x_TD, routing, order_N, sent, counts_K)
+        x_SD, sorted_ = gather_sorted(x_TD, routing, order_N, sum(sent), self.num_experts)
         plans = []
         for c in range(chunks):
             lo, hi = c * size, (c + 1) * size
@@ -169,64 +177,20 @@ class AllToAllDispatcher:
             self._check(send_splits, recv_splits, "dispatch", x_TD.device)
             to_expert = source_to_expert_major(recv_PE[:, lo:hi], sum(recv_splits))
             rows = [sum(received[s][e] for s in range(P)) for e in range(lo, hi)]
-            plans.append(AllToAllChunk(lo, send_splits, recv_splits, to_expert,
-                                       inverse_permutation(to_expert), rows,
-                                       group_offsets(recv_PE[:, lo:hi].sum(0))))
-        return to_wire(x_SD), AllToAllPlan(local, tuple(plans))
+            plans.append(AllToAllChunk(
+                lo, rows, group_offsets(recv_PE[:, lo:hi].sum(0)), send_splits, recv_splits,
+                to_expert, inverse_permutation(to_expert),
+                flight(recv_splits, send_splits, self.group, self.timer),
+                flight(send_splits, recv_splits, self.group, self.timer), self._check))
+        x_SD = to_wire(x_SD)
+        pieces = x_SD.split([sum(c.send_splits) for c in plans]) if chunks > 1 else (x_SD,)
+        x_RD = tuple(all_to_all_start(rows, chunk.out)
+                     for chunk, rows in zip(plans, pieces, strict=True))
+        return x_RD, AllToAllPlan(sorted_, tuple(plans))
 
-    # -- the synchronous path: one chunk, blocking all-to-alls ---------------------------------
-
-    def dispatch(self, x_TD: torch.Tensor, routing: Routing):
-        x_SD, plan = self._route(x_TD, routing, 1)
-        (chunk,) = plan.chunks
-        x_recv = all_to_all(x_SD, chunk.recv_splits, chunk.send_splits, self.group)
-        return permute_rows(x_recv, chunk.to_expert_major, chunk.to_source_major), plan
-
-    def combine(self, y_RD: torch.Tensor, plan: AllToAllPlan) -> torch.Tensor:
-        (chunk,) = plan.chunks
-        y_recv = permute_rows(y_RD, chunk.to_source_major, chunk.to_expert_major)
-        self._check(chunk.recv_splits, chunk.send_splits, "combine", y_RD.device)
-        y_SD = all_to_all(y_recv, chunk.send_splits, chunk.recv_splits, self.group)
-        return combine_sorted(y_SD, plan.local)
-
-    # -- the overlapped path (what the MoE layer calls) ----------------------------------------
-
-    def start(self, x_TD: torch.Tensor, routing: Routing) -> _Started:
-        x_SD, plan = self._route(x_TD, routing, self.chunks)
-        pieces = x_SD.split([sum(c.send_splits) for c in plan.chunks]) if self.chunks > 1 \
-            else (x_SD,)
-        arriving = []
-        for chunk, rows in zip(plan.chunks, pieces, strict=True):
-            arriving.append(all_to_all_start(rows, chunk.recv_splits, chunk.send_splits,
-                                             self.group, self.timer))
-        return _Started(plan, arriving)
-
-    def finish(self, started: _Started, experts, weight_N: torch.Tensor) -> torch.Tensor:
-        # Through the experts module's own call, so its hooks (FSDP unshard) run once.
-        y_SD = experts(ExpertsPipeline.of(partial(self._pipeline, started), weight_N.device))
-        return combine_sorted(y_SD, replace(started.plan.local, weight_N=weight_N))
-
-    def _pipeline(self, started: _Started, w_in_EDH, w_out_EFD, ffn, anchor):
-        """Chunk i: wait its rows, run its experts, send the results back; returns the rows back
-        at this rank, in its send order."""
-        chunks = started.plan.chunks
-        if len(chunks) > 1:
-            size = self.num_local // len(chunks)
-            w_in_EDH, w_out_EFD = w_in_EDH.split(size), w_out_EFD.split(size)
-        else:
-            w_in_EDH, w_out_EFD = (w_in_EDH,), (w_out_EFD,)
-        returning = []
-        for chunk, (rows, flight), w_in, w_out in zip(chunks, started.arriving, w_in_EDH,
-                                                       w_out_EFD, strict=True):
-            # Recorded before the wait, so backward issues the wait's all-to-all (the input
-            # gradient going back) first, then computes the weight gradients while it travels.
-            w_in, w_out, later = defer_weight_grads(w_in, w_out, anchor)
-            x_recv = all_to_all_wait(rows, flight)
-            x_RD = permute_rows(x_recv, chunk.to_expert_major, chunk.to_source_major)
-            y_RD = ffn(x_RD, chunk.rows_per_expert, chunk.offs_E, w_in, w_out, later)
-            y_recv = permute_rows(y_RD, chunk.to_source_major, chunk.to_expert_major)
-            self._check(chunk.recv_splits, chunk.send_splits, "combine", y_RD.device)
-            returning.append(all_to_all_start(y_recv, chunk.send_splits, chunk.recv_splits,
-                                              self.group, self.timer))
-        pieces = [all_to_all_wait(rows, flight) for rows, flight in returning]
-        return torch.cat(pieces) if len(pieces) > 1 else pieces[0]
+    def combine(self, y_RD, plan: AllToAllPlan, weight_N: torch.Tensor) -> torch.Tensor:
+        """Waits for every chunk's results and sums each token's copies with `weight_N`."""
+        pieces = [all_to_all_wait(y, chunk.back) for chunk, y in zip(plan.chunks, y_RD,
+                                                                      strict=True)]
+        y_SD = torch.cat(pieces) if len(pieces) > 1 else pieces[0]
+        return combine_sorted(y_SD, plan.sorted, weight_N)

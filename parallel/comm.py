@@ -29,8 +29,8 @@ import torch
 import torch.distributed as dist
 
 __all__ = ["all_to_all", "all_gather_rows", "reduce_scatter_rows", "group_size", "to_wire",
-           "all_gather_single", "reduce_scatter_single", "all_to_all_start", "all_to_all_wait",
-           "A2ATimer"]
+           "all_gather_single", "reduce_scatter_single", "Flight", "flight", "all_to_all_start",
+           "all_to_all_wait", "A2ATimer"]
 
 
 def to_wire(x):
@@ -167,9 +167,11 @@ class A2ATimer:
             self.done_times[index] = now
 
 
-class _Flight:
+class Flight:
     """One asynchronous all-to-all and, in backward, its reverse: splits, group, work handles.
-    Buffers are dropped once waited, so no tensor outlives its use through this object."""
+    Made before the rows exist (a dispatcher's plan holds the flights of its chunks), started by
+    `all_to_all_start`, waited by `all_to_all_wait`. Buffers are dropped once waited, so no
+    tensor outlives its use through this object."""
 
     def __init__(self, out_splits, in_splits, group, timer):
         self.out_splits, self.in_splits, self.group, self.timer = out_splits, in_splits, group, timer
@@ -232,13 +234,20 @@ class _A2AWait(torch.autograd.Function):
         return grad, None
 
 
-def all_to_all_start(x, out_splits: list[int], in_splits: list[int], group, timer=None):
-    """Issues `all_to_all(x, ...)` and returns at once: (rows, flight), where `rows` must not be
-    read before `all_to_all_wait(rows, flight)` returns them."""
+def flight(out_splits: list[int], in_splits: list[int], group, timer=None) -> Flight | None:
+    """The flight of one `all_to_all(x, out_splits, in_splits, group)` to start later; None on
+    a group of one rank (the rows stay)."""
     if group_size(group) == 1:
-        return x, None
-    flight = _Flight(out_splits, in_splits, group, timer)
-    return _A2AStart.apply(x, flight), flight
+        return None
+    return Flight(out_splits, in_splits, group, timer)
+
+
+def all_to_all_start(x, flight: Flight | None):
+    """Issues the flight's all-to-all of x and returns at once: rows that must not be read
+    before `all_to_all_wait(rows, flight)` returns them."""
+    if flight is None:
+        return x
+    return _A2AStart.apply(x, flight)
 
 
 def all_to_all_wait(rows, flight):

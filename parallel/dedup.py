@@ -16,24 +16,42 @@ P = ep ranks, El local experts. Talks on the `ep` group only.
 Bytes of hidden state on the wire: Q*D each way instead of the plain dispatcher's A*D; the ids
 and weights add 3 numbers per assignment. One host sync per layer (all counts together); pair
 keys, counts and offsets are built on the device without boolean masks or `bincount` (which
-sync on CUDA), and backward never syncs. The rows out travel asynchronously; in backward their
-gradient's all-to-all is issued before the experts' weight gradients are computed, which then
-run while it travels (layers/experts.py `defer_weight_grads`).
+sync on CUDA), and backward never syncs. The rows out travel asynchronously (dispatch starts
+them, the plan's one chunk waits for them in `arrive`); in backward their gradient's all-to-all
+is issued before the experts' weight gradients are computed, which then run while it travels
+(layers/experts.py `defer_weight_grads`). The weights travel in `combine`, once the aux-loss
+injection has set them.
 """
 
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 
 import torch
 
-from moepar.layers.dispatch import (counts_to_host, gather_rows, group_offsets, segment_slots,
-                                    sort_by_expert, sum_rows)
-from moepar.layers.experts import ExpertsPipeline, defer_weight_grads
+from moepar.layers.dispatch import (ExpertChunk, counts_to_host, gather_rows, group_offsets,
+                                    segment_slots, sort_by_expert, sum_rows)
 from moepar.layers.router import Routing, expert_counts
 
-from .comm import all_to_all, all_to_all_start, all_to_all_wait, group_size, to_wire
+from .comm import (Flight, all_to_all, all_to_all_start, all_to_all_wait, flight, group_size,
+                   to_wire)
 from .splitcheck import split_check
 
-__all__ = ["DedupAllToAllDispatcher", "DedupPlan"]
+__all__ = ["DedupAllToAllDispatcher", "DedupPlan", "DedupChunk"]
+
+
+@dataclass(frozen=True)
+class DedupChunk(ExpertChunk):
+    """Every local expert: the pair rows arrive in one all-to-all, and each assignment reads its
+    pair's row (`rows_per_expert` counts assignments, grouped by local expert)."""
+    rows_in: Flight | None         # the pair rows' all-to-all (started by dispatch)
+    row_A: torch.Tensor            # received row each assignment reads, assignments expert-major
+    assigns_of_row_QM: torch.Tensor  # each received row's assignments (segment_slots)
+
+    defers_weight_grads = True     # arrive's backward sends the rows' gradient back
+
+    def arrive(self, rows):
+        """The pair rows, once here, expanded to one row per assignment, expert-major."""
+        x_recv = all_to_all_wait(rows, self.rows_in)
+        return gather_rows(x_recv, self.row_A, self.assigns_of_row_QM)
 
 
 @dataclass(frozen=True)
@@ -43,26 +61,19 @@ class DedupPlan:
     num_tokens: int
     send_rows: list[int]           # pair rows to each rank
     recv_rows: list[int]           # pair rows from each rank
-    row_A: torch.Tensor            # received row each assignment reads, assignments expert-major
-    assigns_of_row_QM: torch.Tensor  # each received row's assignments (segment_slots)
-    weight_A: torch.Tensor | None  # received weights, expert-major (None until they arrive)
-    rows_per_expert: list[int]     # assignments per local expert (the grouped GEMM's groups)
-    offs_E: torch.Tensor           # their int32 cumulative sum, on the device
-
-
-@dataclass(frozen=True)
-class _DedupStarted:
-    """What `start` leaves for `finish`: the plan without weights, the rows in flight."""
-    plan: DedupPlan
-    arriving: tuple               # (rows, flight) of all_to_all_start
-    assign: torch.Tensor          # the assignments this rank sends, in send order
+    assign: torch.Tensor           # the assignments this rank sends, in send order
     send_assign: list[int]
     recv_assign: list[int]
-    order_A: torch.Tensor         # received assignments -> expert-major
+    order_A: torch.Tensor          # received assignments -> expert-major
+    chunks: tuple[DedupChunk]
+
+    @property
+    def rows_per_expert(self) -> list[int]:
+        return self.chunks[0].rows_per_expert
 
 
 class DedupAllToAllDispatcher:
-    """Same methods as `LocalDispatcher`. `timer`: see AllToAllDispatcher."""
+    """Same methods as `LocalDispatcher` (one chunk). `timer`: see AllToAllDispatcher."""
 
     def __init__(self, num_experts: int, group, layer_id: int = 0, debug: bool = False):
         self.num_experts, self.group, self.layer_id, self.debug = num_experts, group, layer_id, debug
@@ -72,25 +83,10 @@ class DedupAllToAllDispatcher:
         self.num_local = num_experts // self.ep
         self.timer = None
 
-
     def dispatch(self, x_TD: torch.Tensor, routing: Routing):
-        """The synchronous form: (x_RD rows grouped by local expert, plan)."""
-        return self._arrive(self.start(x_TD, routing), routing.weight_N)
-
-    def finish(self, started: "_DedupStarted", experts, weight_N: torch.Tensor) -> torch.Tensor:
-        def run(w_in_EDH, w_out_EFD, ffn, anchor):
-            # Recorded before the rows' wait, so backward issues the input gradient's all-to-all
-            # before the weight gradients are computed (see AllToAllDispatcher._pipeline).
-            w_in_EDH, w_out_EFD, later = defer_weight_grads(w_in_EDH, w_out_EFD, anchor)
-            x_RD, plan = self._arrive(started, weight_N)
-            return ffn(x_RD, plan.rows_per_expert, plan.offs_E, w_in_EDH, w_out_EFD, later), plan
-
-        # Through the experts module's own call, so its hooks (FSDP unshard) run once.
-        return self.combine(*experts(ExpertsPipeline.of(run, weight_N.device)))
-
-    def start(self, x_TD: torch.Tensor, routing: Routing) -> "_DedupStarted":
-        """Counts (the one sync), the pair rows out (asynchronous), the assignment ids (blocking,
-        small); the weights wait for `finish` (the aux-loss injection may still change them)."""
+        """Counts (the one sync), the pair rows out (asynchronous: (x_RD,) is in flight), the
+        assignment ids (blocking, small); the weights wait for `combine` (the aux-loss injection
+        may still change them)."""
         num_tokens, P, El = x_TD.shape[0], self.ep, self.num_local
         dest_N = torch.div(routing.expert_N, El, rounding_mode="floor")   # dropped -> P
         key_sorted, order_N = torch.sort(dest_N * num_tokens + routing.token_N, stable=True)
@@ -120,8 +116,9 @@ class DedupAllToAllDispatcher:
         # has at most one pair per rank and one assignment per expert, and at most K of each.
         k = routing.top_k or self.num_experts
         pairs_of_token_TM = segment_slots(pair_token_Q, num_tokens, min(k, P))
-        arriving = all_to_all_start(to_wire(gather_rows(x_TD, pair_token_Q, pairs_of_token_TM)),
-                                    recv_rows, send_rows, self.group, self.timer)
+        rows_in = flight(recv_rows, send_rows, self.group, self.timer)
+        x_QD = all_to_all_start(to_wire(gather_rows(x_TD, pair_token_Q, pairs_of_token_TM)),
+                                rows_in)
         assign = order_N[:num_assign]
         assign_dest = dest_N[assign]
         pair_start = torch.cumsum(pairs_per_dest, 0) - pairs_per_dest
@@ -138,25 +135,24 @@ class DedupAllToAllDispatcher:
         order_A, counts_El = sort_by_expert(meta_recv[:, 1], El)
         rows_per_expert = [sum(recv_h[s][1 + e] for s in range(P)) for e in range(El)]
         row_A = row_of_assign.index_select(0, order_A)
-        plan = DedupPlan(pair_token_Q, pairs_of_token_TM, num_tokens, send_rows, recv_rows, row_A,
-                         segment_slots(row_A, sum(recv_rows), min(k, El)), None, rows_per_expert,
-                         group_offsets(counts_El))
-        return _DedupStarted(plan, arriving, assign, send_assign, recv_assign, order_A)
+        chunk = DedupChunk(0, rows_per_expert, group_offsets(counts_El), rows_in, row_A,
+                           segment_slots(row_A, sum(recv_rows), min(k, El)))
+        plan = DedupPlan(pair_token_Q, pairs_of_token_TM, num_tokens, send_rows, recv_rows, assign,
+                         send_assign, recv_assign, order_A, (chunk,))
+        return (x_QD,), plan
 
-    def _arrive(self, started: "_DedupStarted", weight_N: torch.Tensor):
-        """The weights out (blocking, A numbers), the rows in: (x_RD, the complete plan)."""
-        weight_recv = all_to_all(weight_N[started.assign].unsqueeze(1), started.recv_assign,
-                                 started.send_assign, self.group, self.timer).squeeze(1)
-        plan = replace(started.plan, weight_A=weight_recv.index_select(0, started.order_A))
-        x_recv = all_to_all_wait(*started.arriving)
-        return gather_rows(x_recv, plan.row_A, plan.assigns_of_row_QM), plan
-
-    def combine(self, y_RD: torch.Tensor, plan: DedupPlan) -> torch.Tensor:
-        dtype = torch.promote_types(y_RD.dtype, plan.weight_A.dtype)
-        weighted = y_RD.to(dtype) * plan.weight_A.to(dtype).unsqueeze(1)
-        y_rows = sum_rows(weighted, plan.row_A, plan.assigns_of_row_QM)
-        self._check(plan.recv_rows, plan.send_rows, "combine (dedup rows)", y_RD.device)
+    def combine(self, y_RD, plan: DedupPlan, weight_N: torch.Tensor) -> torch.Tensor:
+        """The weights out (blocking, A numbers); each received row's assignments weighted and
+        summed here; one partial sum per pair back (blocking); each token's pairs summed."""
+        (y_AD,), (chunk,) = y_RD, plan.chunks
+        weight_recv = all_to_all(weight_N[plan.assign].unsqueeze(1), plan.recv_assign,
+                                 plan.send_assign, self.group, self.timer).squeeze(1)
+        weight_A = weight_recv.index_select(0, plan.order_A)
+        dtype = torch.promote_types(y_AD.dtype, weight_A.dtype)
+        weighted = y_AD.to(dtype) * weight_A.to(dtype).unsqueeze(1)
+        y_rows = sum_rows(weighted, chunk.row_A, chunk.assigns_of_row_QM)
+        self._check(plan.recv_rows, plan.send_rows, "combine (dedup rows)", y_AD.device)
         # Partial sums travel in the experts' dtype (bf16 under autocast), summed in fp32 after.
-        y_pairs = all_to_all(y_rows.to(y_RD.dtype), plan.send_rows, plan.recv_rows, self.group,
+        y_pairs = all_to_all(y_rows.to(y_AD.dtype), plan.send_rows, plan.recv_rows, self.group,
                              self.timer)
         return sum_rows(y_pairs.to(dtype), plan.pair_token_Q, plan.pairs_of_token_TM)

@@ -26,7 +26,7 @@ from .dedup import DedupAllToAllDispatcher
 
 __all__ = ["apply_ep", "DISPATCHERS"]
 
-DISPATCHERS = ("alltoall", "allgather")
+DISPATCHERS = ("alltoall", "dedup", "allgather")
 
 
 def shard_experts(experts: GroupedExperts, ep: int, ep_rank: int):
@@ -47,11 +47,12 @@ def _moe_layers(model) -> list[tuple[int, MoE]]:
     return [(0, m) for m in model.modules() if isinstance(m, MoE)]
 
 
-def apply_ep(model, dims, meshes, rank: int, dispatcher: str = "alltoall", dedup: bool = False,
-             debug: bool = False, a2a_chunks: int = 1):
-    """Shards every MoE layer of `model` over ep and installs the chosen dispatcher (named by the
-    model's layer number in its errors); returns model. `a2a_chunks` > 1 pipelines groups of
-    local experts between the all-to-alls (alltoall dispatcher)."""
+def apply_ep(model, dims, meshes, rank: int, dispatcher: str = "alltoall", debug: bool = False,
+             a2a_chunks: int = 1):
+    """Shards every MoE layer of `model` over ep and installs the dispatcher of kind `dispatcher`
+    (parallel.dispatcher: alltoall, dedup or allgather; named by the model's layer number in its
+    errors); returns model. `a2a_chunks` > 1 pipelines groups of local experts between the
+    all-to-alls (alltoall)."""
     if dispatcher not in DISPATCHERS:
         raise ValueError(f"parallel.dispatcher={dispatcher!r} is not one of {DISPATCHERS}")
     group = meshes.group("ep")
@@ -61,7 +62,7 @@ def apply_ep(model, dims, meshes, rank: int, dispatcher: str = "alltoall", dedup
         shard_experts(moe.experts, dims.ep, ep_rank)
         if dispatcher == "allgather":
             moe.dispatcher = AllGatherDispatcher(num_experts, group, ep_rank, layer_id)
-        elif dedup:
+        elif dispatcher == "dedup":
             moe.dispatcher = DedupAllToAllDispatcher(num_experts, group, layer_id, debug)
         else:
             moe.dispatcher = AllToAllDispatcher(num_experts, group, layer_id, debug,

@@ -31,11 +31,6 @@ class SequenceParallelRouter(TopKRouter):
 
     token_group = None
 
-    def _finisher(self, finish):
-        # The losses talk on the tp group, so they run now, before the dispatch's collectives.
-        done = finish()
-        return lambda: done
-
     def _keep(self, expert_N, weight_N, seq_len: int):
         """Drops decided on the whole micro-batch: every slice's (expert, weight) pairs are
         gathered into the canonical [B, S, K] order, ranked as one group, and this slice's

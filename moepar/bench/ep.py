@@ -78,16 +78,16 @@ def _setup(ep: int, experts: int):
     return rank, dims, dims.build_meshes("cpu")
 
 
-def _moe(args, dtype, rank, dims, meshes, dispatcher="alltoall", dedup=False):
+def _moe(args, dtype, rank, dims, meshes, dispatcher="alltoall"):
     """The EP layer with an A2ATimer on its dispatcher (all-to-all dispatchers)."""
     torch.manual_seed(0)   # same router and experts on every rank before sharding
     moe = MoE(args.dim, args.ffn_dim, args.experts, args.top_k, aux_loss_scale=1.0,
               balance_coeff=0.01).to(dtype)
-    moe = apply_ep(moe, dims, meshes, rank, dispatcher, dedup)
-    if dispatcher == "alltoall" and not dedup and args.a2a_chunks > 1:
+    moe = apply_ep(moe, dims, meshes, rank, dispatcher)
+    if dispatcher == "alltoall" and args.a2a_chunks > 1:
         moe.dispatcher = AllToAllDispatcher(args.experts, meshes.group("ep"),
                                             chunks=args.a2a_chunks)
-    if dispatcher == "alltoall":
+    if dispatcher in ("alltoall", "dedup"):
         moe.dispatcher.timer = A2ATimer()
     return moe
 
@@ -123,9 +123,8 @@ def bench_dispatch(args, dtype) -> dict:
     minimum = 2 * args.top_k * args.dim * esize * (args.ep - 1) / args.ep
     out = {"ep": args.ep, "tokens_per_rank": args.tokens, "dim": args.dim, "experts": args.experts,
            "top_k": args.top_k, "dtype": args.dtype, "min_bytes_per_token": minimum, "cases": {}}
-    for name, dispatcher, dedup in (("alltoall", "alltoall", False), ("alltoall+dedup", "alltoall", True),
-                                    ("allgather", "allgather", False)):
-        moe = _moe(args, dtype, rank, dims, meshes, dispatcher, dedup)
+    for name in ("alltoall", "dedup", "allgather"):
+        moe = _moe(args, dtype, rank, dims, meshes, name)
         timer = getattr(moe.dispatcher, "timer", None)
         times, shares, floats, ints, a2a_total, a2a_exposed = [], [], [], [], [], []
         tick = Ticker(f"dispatch ({name})", args.warmup, args.repeats)
@@ -154,7 +153,7 @@ def bench_dispatch(args, dtype) -> dict:
         totals = torch.tensor([statistics.median(floats), statistics.median(ints)], dtype=torch.float64)
         dist.all_reduce(totals)
         group_tokens = args.tokens * dist.get_world_size()
-        if dispatcher == "allgather":   # all_gather + reduce_scatter of every token, by formula
+        if name == "allgather":   # all_gather + reduce_scatter of every token, by formula
             totals[0] = 2 * args.tokens * (args.ep - 1) * args.dim * esize * dist.get_world_size()
         out["cases"][name] = {
             "ms": statistics.median(times) * 1000,

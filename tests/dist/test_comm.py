@@ -80,8 +80,9 @@ def case_async_all_to_all_equals_blocking():
     grads = [torch.randn(sum(recv), 3, dtype=torch.float64, generator=gen) for _ in range(2)]
     timer = comm.A2ATimer()
     a, b = (x.clone().requires_grad_() for x in xs)
-    in_flight = [comm.all_to_all_start(a, recv, send, group, timer),
-                 comm.all_to_all_start(b * 2.0, recv, send, group, timer)]
+    flights = [comm.flight(recv, send, group, timer) for _ in range(2)]
+    in_flight = [(comm.all_to_all_start(a, flights[0]), flights[0]),
+                 (comm.all_to_all_start(b * 2.0, flights[1]), flights[1])]
     busy = torch.randn(64, 64, dtype=torch.float64, generator=gen)
     for _ in range(3):
         busy = busy @ busy / 64      # compute while both transfers are in flight

@@ -37,7 +37,7 @@ LAYOUTS = [
     (4, ["--parallel.ep=4"]),                        # dp=4, ep=4
     (4, ["--parallel.dp=4", "--parallel.ep=2"]),     # two EP groups, edp=2
     (4, ["--parallel.ep=1"]),                        # pure data parallel
-    (4, ["--parallel.ep=4", "--parallel.dedup=true"]),
+    (4, ["--parallel.ep=4", "--parallel.dispatcher=dedup"]),
     (2, ["--parallel.ep=2", "--parallel.dispatcher=allgather"]),
     # ZeRO: dense state over dp, expert state over edp; small buckets so there are many shards.
     (2, ["--parallel.ep=2", "--parallel.zero=1", "--parallel.bucket_mb=0.002"]),
@@ -61,7 +61,7 @@ LAYOUTS = [
     (2, ["--parallel.ep=2", "--parallel.a2a_chunks=2", "--parallel.zero=3"]),
     # Recompute of the experts' maths alone: the pipeline's all-to-all waits are not run again.
     (2, ["--parallel.ep=2", "--parallel.a2a_chunks=2", "--train.recompute=experts"]),
-    (2, ["--parallel.ep=2", "--parallel.dedup=true", "--parallel.zero=3",
+    (2, ["--parallel.ep=2", "--parallel.dispatcher=dedup", "--parallel.zero=3",
          "--train.recompute=experts"]),
     # A power-of-two loss scale (float16's mechanism) leaves float64 results as they are.
     (4, ["--parallel.pp=2", "--parallel.ep=2", "--train.loss_scale=1024"]),

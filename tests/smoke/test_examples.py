@@ -129,9 +129,9 @@ def test_bench_dispatch_json():
     assert result.returncode == 0, errors(result)
     record = json.loads(result.stdout.strip().splitlines()[-1])
     cases = record["cases"]
-    assert set(cases) == {"alltoall", "alltoall+dedup", "allgather"}
+    assert set(cases) == {"alltoall", "dedup", "allgather"}
     # every kept copy crosses once each way at most, dedup never sends more hidden bytes
-    assert cases["alltoall+dedup"]["bytes_per_token_hidden"] <= cases["alltoall"]["bytes_per_token_hidden"]
+    assert cases["dedup"]["bytes_per_token_hidden"] <= cases["alltoall"]["bytes_per_token_hidden"]
 
 
 def test_bench_memory_json():

@@ -142,31 +142,3 @@ def test_second_backward_is_refused_with_a_clear_error():
     loss.backward(retain_graph=True)
     with pytest.raises(RuntimeError, match="one backward per forward"):
         loss.backward()
-
-
-def test_anchor_gets_its_gradient_after_the_weights():
-    """The pipeline's anchor is tied to the weights: a zero gradient, once theirs are done,
-    deferred or not (recompute)."""
-    rows = [4, 4]
-    for hooked in (False, True):
-        x, w_in, w_out, g, offs = _inputs(torch.float64, rows)
-        events = []
-        for name, w in (("w_in", w_in), ("w_out", w_out)):
-            w.requires_grad_().register_post_accumulate_grad_hook(
-                lambda p, name=name: events.append(name))
-        anchor = torch.zeros((), dtype=torch.float64, requires_grad=True)
-        anchor.register_post_accumulate_grad_hook(lambda p: events.append("anchor"))
-        x.requires_grad_()
-
-        def run():
-            w_in2, w_out2, later = defer_weight_grads(w_in, w_out, anchor)
-            assert (later is None) == hooked
-            (expert_ffn(x * 1.0, rows, offs, w_in2, w_out2, "swiglu", later) * g).sum().backward()
-
-        if hooked:
-            with torch.autograd.graph.saved_tensors_hooks(lambda t: t, lambda t: t):
-                run()
-        else:
-            run()
-        assert events[-1] == "anchor" and sorted(events[:-1]) == ["w_in", "w_out"]
-        assert anchor.grad is not None and float(anchor.grad) == 0.0

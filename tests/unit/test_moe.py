@@ -375,16 +375,16 @@ def test_dispatch_combine_round_trip(top_k):
     expert_N = torch.randint(0, num_experts + 1, (num_tokens * top_k,), generator=gen)
     routing = Routing(token_N, expert_N, torch.ones(num_tokens * top_k, dtype=torch.float64))
     dispatcher = LocalDispatcher(num_experts)
-    x_RD, plan = dispatcher.dispatch(x_TD, routing)
+    (x_RD,), plan = dispatcher.dispatch(x_TD, routing)
 
     rows = naive_dispatch_order(token_N.tolist(), expert_N.tolist(), num_experts)
     assert plan.rows_per_expert == [sum(e == g for _, e in rows) for g in range(num_experts)]
-    assert plan.token_R.tolist() == [t for t, _ in rows]
+    assert plan.sorted.token_R.tolist() == [t for t, _ in rows]
     assert torch.equal(x_RD, torch.stack([x_TD[t] for t, _ in rows]))
 
     kept_T = [sum(1 for n in range(len(expert_N)) if token_N[n] == t and expert_N[n] < num_experts)
               for t in range(num_tokens)]
-    y_TD = dispatcher.combine(x_RD, plan)  # identity experts, weight 1
+    y_TD = dispatcher.combine((x_RD,), plan, routing.weight_N)  # identity experts, weight 1
     assert torch.equal(y_TD, x_TD * torch.tensor(kept_T, dtype=torch.float64)[:, None])
 
 
@@ -396,8 +396,8 @@ def test_combine_weights_rows_per_token():
     expert_N = torch.tensor([0, 2, 1, 3, 3, 3, 2, 0, 1, 2, 0, 1])
     weight_N = torch.rand(12, generator=gen, dtype=torch.float64)
     dispatcher = LocalDispatcher(num_experts)
-    x_RD, plan = dispatcher.dispatch(x_TD, Routing(token_N, expert_N, weight_N))
-    y_TD = dispatcher.combine(2.0 * x_RD, plan)
+    (x_RD,), plan = dispatcher.dispatch(x_TD, Routing(token_N, expert_N, weight_N))
+    y_TD = dispatcher.combine((2.0 * x_RD,), plan, weight_N)
     expected = torch.zeros_like(x_TD)
     for n in range(12):
         if expert_N[n] < num_experts:
@@ -410,15 +410,15 @@ def test_dispatch_rows_from_the_router_are_expert_major_in_token_order():
     moe, _ = build_moe(capacity_factor=0.75, drop_policy="probs")
     x_TD = torch.randn(12, DIM, dtype=torch.float64, generator=torch.Generator().manual_seed(8))
     routing, _, _ = moe.router(x_TD)
-    x_RD, plan = moe.dispatcher.dispatch(x_TD, routing)
+    (x_RD,), plan = moe.dispatcher.dispatch(x_TD, routing)
     expert_R = [e for e in range(NUM_EXPERTS) for _ in range(plan.rows_per_expert[e])]
     rows = naive_dispatch_order(routing.token_N.tolist(), routing.expert_N.tolist(), NUM_EXPERTS)
     assert [e for _, e in rows] == expert_R
-    assert plan.token_R.tolist() == [t for t, _ in rows]
+    assert plan.sorted.token_R.tolist() == [t for t, _ in rows]
     for e in range(NUM_EXPERTS):  # token order within each expert
         tokens = [t for t, g in rows if g == e]
         assert tokens == sorted(tokens)
-    assert torch.equal(x_RD, x_TD[plan.token_R])
+    assert torch.equal(x_RD, x_TD[plan.sorted.token_R])
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
