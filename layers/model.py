@@ -40,7 +40,7 @@ class ModelConfig:
     head_dim: int = 0              # 0: dim // num_heads
     ffn_dim: int = 512             # hidden size of dense FFN layers
     moe_ffn_dim: int = 256         # hidden size of each routed expert
-    num_experts: int = 8
+    num_experts: int = 8           # 0: no MoE layer (a dense model)
     top_k: int = 2
     first_k_dense: int = 0         # the first k layers are dense
     moe_every: int = 1             # after those, every n-th layer is MoE ...
@@ -75,10 +75,12 @@ class ModelConfig:
 
     def __post_init__(self):
         for name in ("vocab_size", "dim", "num_layers", "num_heads", "num_kv_heads", "ffn_dim",
-                     "moe_ffn_dim", "num_experts", "top_k", "moe_every", "max_seq_len"):
+                     "moe_ffn_dim", "top_k", "moe_every", "max_seq_len"):
             if getattr(self, name) < 1:
                 raise ValueError(f"model.{name}={getattr(self, name)} must be >= 1")
-        for name in ("head_dim", "first_k_dense", "num_shared_experts", "shared_ffn_dim"):
+        # num_experts = 0: every layer dense (a dense baseline at the MoE model's active size)
+        for name in ("head_dim", "first_k_dense", "num_shared_experts", "shared_ffn_dim",
+                     "num_experts"):
             if getattr(self, name) < 0:
                 raise ValueError(f"model.{name}={getattr(self, name)} must be >= 0")
         if self.activation not in ACTIVATIONS:
@@ -100,7 +102,7 @@ class ModelConfig:
         if self.num_heads % self.num_kv_heads:
             raise ValueError(f"model.num_heads={self.num_heads} must be divisible by "
                              f"model.num_kv_heads={self.num_kv_heads}")
-        if self.top_k > self.num_experts:
+        if self.num_experts and self.top_k > self.num_experts:
             raise ValueError(f"model.top_k={self.top_k} must be <= model.num_experts={self.num_experts}")
         if self.attention not in ("gqa", "mla"):
             raise ValueError(f"model.attention={self.attention!r} is not one of 'gqa', 'mla'")
@@ -143,7 +145,7 @@ class ModelConfig:
                     self.rope_attention_factor, self.rope_truncate)
 
     def is_moe_layer(self, i: int) -> bool:
-        return (i >= self.first_k_dense and i not in self.dense_layers
+        return (self.num_experts > 0 and i >= self.first_k_dense and i not in self.dense_layers
                 and (i - self.first_k_dense) % self.moe_every == self.moe_offset)
 
 

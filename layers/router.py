@@ -91,6 +91,8 @@ class RouterConfig:
 
     def check_experts(self, num_experts: int, top_k: int):
         """Checks that need the model's expert counts; raises naming both sides."""
+        if num_experts == 0:        # a dense model (model.num_experts = 0) builds no router
+            return
         if num_experts % self.n_group:
             raise ValueError(f"model.num_experts={num_experts} must be divisible by "
                              f"router.n_group={self.n_group}")

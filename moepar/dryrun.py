@@ -65,6 +65,14 @@ def _ranks(ranks: list[int]) -> str:
     return head + (f", ... ({len(ranks)} ranks)" if len(ranks) > 4 else "")
 
 
+def _routing(model) -> str:
+    """How many experts a token uses, or that the model has none (every layer dense)."""
+    moe = sum(map(model.is_moe_layer, range(model.num_layers)))
+    if not moe:
+        return f"dense: no MoE layer, every one of the {model.num_layers} layers a plain FFN"
+    return f"top_k {model.top_k} of {model.num_experts} experts in {moe} of {model.num_layers} layers"
+
+
 def dry_run_text(cfg, nproc: int, nodes=None) -> str:
     r = dry_run(cfg, nproc, nodes)
     p = r["params"]
@@ -77,8 +85,8 @@ def dry_run_text(cfg, nproc: int, nodes=None) -> str:
     out += ["", "# parameters",
             f"total {p['total']:,} ({count_text(p['total'])}): dense {p['dense']:,}, "
             f"experts {p['expert']:,}",
-            f"active per token {p['active']:,} ({count_text(p['active'])}; top_k "
-            f"{cfg.model.top_k} of {cfg.model.num_experts} experts)", ""]
+            f"active per token {p['active']:,} ({count_text(p['active'])}; {_routing(cfg.model)})",
+            ""]
     zero = cfg.parallel.zero
     smallest = " (the smallest world of --nnodes)" if len(r["layouts"]) > 1 else ""
     out.append(f"# memory per rank (world {r['memory_world']}{smallest}, zero {zero}, "

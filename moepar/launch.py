@@ -64,6 +64,9 @@ def build_parser() -> argparse.ArgumentParser:
                         help="print the resolved config, the layout, the parameter counts (total, "
                              "active per token, per rank) and each rank's planned memory, then "
                              "exit: nothing starts, nothing is written")
+    parser.add_argument("--verbose", action="store_true",
+                        help="print the whole resolved config at start (else a short summary; "
+                             "the full one is always written to run.dir/config.toml)")
     nodes = parser.add_argument_group(
         "several nodes (torch's elastic launcher with c10d rendezvous; run the same command on "
         "every node)")
@@ -357,7 +360,9 @@ def main(argv: list[str]) -> int:
     from moepar.train import NonFiniteError, Preempted, Trainer
     rank = int(os.environ.get("RANK", 0))
     if rank == 0:
-        print(to_toml(cfg), flush=True)
+        from moepar.progress import start_summary
+        print(to_toml(cfg) if args.verbose else start_summary(cfg, args.config, overrides),
+              flush=True)
     clean = True        # the errors below are raised by every rank at the same point
     try:
         trainer = Trainer(cfg, log=lambda msg: print(msg, flush=True), config_path=args.config)

@@ -95,8 +95,11 @@ class StepStats:
             self.num_micro_batches *= dist.get_world_size(group)
 
     def summary(self) -> dict:
-        """Scalars for this step; loads are routed copies before drops."""
-        num_layers = max(self.tokens_LE.shape[0], 1)
+        """Scalars for this step; loads are routed copies before drops. A model without MoE
+        layers (model.num_experts = 0, or every layer dense) has none of them."""
+        if self.tokens_LE.shape[0] == 0:
+            return {}
+        num_layers = self.tokens_LE.shape[0]
         losses = (self.losses_3 / max(self.num_micro_batches, 1)).tolist()
         max_ratio_L, cv_L = imbalance_L(self.tokens_LE)
         return {

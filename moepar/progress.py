@@ -8,7 +8,7 @@ step's rate swings with checkpoint saves, validation and the first step's warm-u
 does not hide them either, it spreads them). The ETA is the steps left at the window's step rate.
 """
 
-__all__ = ["Progress", "progress_line", "duration", "count_text", "params_text"]
+__all__ = ["Progress", "progress_line", "duration", "count_text", "params_text", "start_summary"]
 
 
 def duration(seconds: float) -> str:
@@ -31,14 +31,43 @@ def params_text(counts: dict) -> str:
             f"{counts['active']:,} active per token ({count_text(counts['active'])})")
 
 
+def start_summary(cfg, config: str, overrides: list[str]) -> str:
+    """What `moepar train` prints at start instead of the whole resolved config (which goes to
+    run.dir/config.toml, and to the screen with --verbose): the config and its overrides, the
+    model's shape, the run's length and where it writes."""
+    m, r, t = cfg.model, cfg.router, cfg.train
+    moe = sum(map(m.is_moe_layer, range(m.num_layers)))
+    if moe:
+        cap = "dropless" if r.capacity_factor is None else f"capacity {r.capacity_factor:g}"
+        ffn = (f"{m.num_layers - moe} dense, {moe} MoE: top-{m.top_k} of {m.num_experts} "
+               f"experts, {r.type} {r.score_func}, {cap}")
+    else:
+        ffn = "all dense, no MoE layer"
+    given = f" {' '.join(overrides)}" if overrides else ""
+    return "\n".join([
+        f"config: {config}{given}",
+        f"model: {m.num_layers} layers ({ffn}), dim {m.dim}, {m.attention} attention, "
+        f"vocabulary {m.vocab_size}",
+        f"train: {t.steps} steps of {t.global_batch_size} x {t.seq_len} tokens, lr {t.lr:g}, "
+        f"{t.dtype}, seed {t.seed}; data {cfg.data.source}"
+        + (f" {cfg.data.path or ','.join(cfg.data.paths)}" if cfg.data.source != "builtin" else ""),
+        f"run: {cfg.run.dir} (the resolved config: {cfg.run.dir}/config.toml; --verbose prints "
+        "it here)"])
+
+
 def progress_line(r: dict, total_steps: int, tokens_per_s: float, elapsed_s: float,
                   eta_s: float | None) -> str:
-    """One record of `Trainer.train_step` with the window's rate and the clock."""
+    """One record of `Trainer.train_step` with the window's rate and the clock; the router's
+    fields (aux and z loss, load, drops) only when the model has MoE layers (the record has
+    them)."""
     eta = duration(eta_s) if eta_s is not None else "?"
-    return (f"step {r['step']:>5}/{total_steps} | loss {r['loss']:.4f} | aux {r['aux_loss']:.4f} | "
-            f"z {r['z_loss']:.2e} | gnorm {r['grad_norm']:.3f} | lr {r['lr']:.2e} | "
-            f"{tokens_per_s / 1000:.1f}k tok/s | load max/mean {r['max_load_ratio']:.2f} | "
-            f"drop {100 * r['drop_fraction']:.1f}% | {duration(elapsed_s)} elapsed, eta {eta}")
+    moe = "aux_loss" in r
+    return (f"step {r['step']:>5}/{total_steps} | loss {r['loss']:.4f} | "
+            + (f"aux {r['aux_loss']:.4f} | z {r['z_loss']:.2e} | " if moe else "")
+            + f"gnorm {r['grad_norm']:.3f} | lr {r['lr']:.2e} | {tokens_per_s / 1000:.1f}k tok/s | "
+            + (f"load max/mean {r['max_load_ratio']:.2f} | drop {100 * r['drop_fraction']:.1f}% | "
+               if moe else "")
+            + f"{duration(elapsed_s)} elapsed, eta {eta}")
 
 
 class Progress:

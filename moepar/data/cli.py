@@ -1,8 +1,9 @@
 """`moepar data`: tokenized datasets.
 
-    moepar data prepare --tokenizer TOKENIZER --input FILE... --out DIR [--text-field text]
-                        [--val-fraction 0.005] [--seed 0] [--workers N] [--split-blank-lines]
-                        [--eos-token TOKEN] [--shard-tokens N] [--overwrite]
+    moepar data prepare --tokenizer TOKENIZER | --train-tokenizer VOCAB --input FILE... --out DIR
+                        [--text-field text] [--val-fraction 0.005] [--val-tokens 2049] [--seed 0]
+                        [--workers N] [--split-blank-lines] [--eos-token TOKEN]
+                        [--shard-tokens N] [--overwrite]
 """
 
 import argparse
@@ -28,9 +29,14 @@ def build_parser() -> argparse.ArgumentParser:
         description="Tokenize documents into uint16/uint32 .npy shards with an index.json, and "
                     "hold out whole documents as a validation split. Train on the result with "
                     "--data.source=tokens --data.path=DIR. Nothing is left at --out on error.")
-    p.add_argument("--tokenizer", required=True, metavar="TOKENIZER",
-                   help="a Hugging Face tokenizer.json, a model folder holding one, or 'bytes' "
-                        "(moepar's byte tokenizer: vocabulary 256, EOS id 255)")
+    from moepar.data.split import default_val_tokens
+    which = p.add_mutually_exclusive_group(required=True)
+    which.add_argument("--tokenizer", metavar="TOKENIZER",
+                       help="a Hugging Face tokenizer.json, a model folder holding one, or 'bytes' "
+                            "(moepar's byte tokenizer: vocabulary 256, EOS id 255)")
+    which.add_argument("--train-tokenizer", type=int, default=0, metavar="VOCAB",
+                       help="train a byte-level BPE of VOCAB tokens (EOS <|endoftext|>) on the "
+                            "training split only, and write it into the folder as tokenizer.json")
     p.add_argument("--input", dest="inputs", nargs="+", action="extend", required=True,
                    metavar="FILE", help=".txt (one document per file), .jsonl or .jsonl.gz (one "
                    "JSON object per line); .txt.gz too")
@@ -40,6 +46,10 @@ def build_parser() -> argparse.ArgumentParser:
                    "text (default: text)")
     p.add_argument("--val-fraction", type=float, default=0.005, metavar="F", help="share of documents held "
                    "out for validation (default 0.005; 0: none)")
+    p.add_argument("--val-tokens", type=int, default=default_val_tokens(), metavar="N",
+                   help="hold out at least N tokens (default %(default)s: what the default "
+                        "evaluation reads); when --val-fraction's documents hold fewer, more are "
+                        "held out, lowest hash first; 0: the fraction alone")
     p.add_argument("--seed", type=int, default=0, metavar="S",
                    help="keys the hash that picks the held-out documents (default 0)")
     p.add_argument("--workers", type=int, default=_default_workers(), metavar="N",
@@ -62,7 +72,8 @@ def main(argv: list[str]) -> int:
         tokenizer=args.tokenizer, inputs=args.inputs, out=args.out, text_field=args.text_field,
         val_fraction=args.val_fraction, seed=args.seed, workers=args.workers,
         split_blank_lines=args.split_blank_lines, eos_token=args.eos_token,
-        shard_tokens=args.shard_tokens, overwrite=args.overwrite)
+        shard_tokens=args.shard_tokens, overwrite=args.overwrite, val_tokens=args.val_tokens,
+        train_tokenizer=args.train_tokenizer)
     try:
         index = prepare(opts)
     except ValueError as e:      # PrepareError and the tokenizer's errors name file and line

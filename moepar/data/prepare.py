@@ -8,7 +8,10 @@ in input order, so the output does not depend on --workers. Everything is writte
 temporary folder beside --out and renamed at the end: a failure leaves nothing at --out.
 
 A document goes to `val` when blake2b-64(seed, its UTF-8 text) / 2^64 < val_fraction: whole
-documents, the same split for the same text whatever the input order, duplicates together.
+documents, the same split for the same text whatever the input order, duplicates together. When
+those hold fewer than `val_tokens` tokens, the threshold is raised and the input tokenized again
+(moepar/data/split.py). `--train-tokenizer VOCAB` first trains a byte-level BPE on the training
+split alone (moepar/data/bpe.py), so no validation document shapes the vocabulary.
 """
 
 import collections
@@ -28,6 +31,7 @@ import zlib
 import numpy as np
 
 from moepar.data.folder import FORMAT, INDEX, VERSION, is_prepared
+from moepar.data.split import Reserve, doc_hash, raised_threshold, seed_key
 from moepar.data.tokenizer import TokenizerSpec, load_encoder, resolve_tokenizer
 
 __all__ = ["PrepareOptions", "PrepareError", "prepare", "SUFFIXES"]
@@ -42,7 +46,7 @@ class PrepareError(ValueError):
 
 @dataclasses.dataclass
 class PrepareOptions:
-    tokenizer: str
+    tokenizer: str | None             # None with train_tokenizer
     inputs: list[str]
     out: str
     text_field: str = "text"
@@ -53,6 +57,9 @@ class PrepareOptions:
     eos_token: str | None = None
     shard_tokens: int = 1 << 26       # 128 MiB (uint16) or 256 MiB (uint32) per shard
     overwrite: bool = False
+    val_tokens: int = 0               # at least this many validation tokens (the CLI's default:
+                                      # split.default_val_tokens()); 0: the fraction alone
+    train_tokenizer: int = 0          # > 0: train a byte-level BPE of this vocabulary instead
     block_bytes: int = 1 << 20        # input bytes per worker task
 
     def check(self):
@@ -60,6 +67,13 @@ class PrepareOptions:
             raise PrepareError("--input: give at least one file")
         if not 0 <= self.val_fraction < 1:
             raise PrepareError(f"--val-fraction {self.val_fraction} must be in [0, 1)")
+        if bool(self.tokenizer) == bool(self.train_tokenizer):
+            raise PrepareError("give either --tokenizer or --train-tokenizer VOCAB")
+        if self.val_tokens < 0:
+            raise PrepareError(f"--val-tokens {self.val_tokens} must be >= 0")
+        if self.train_tokenizer and self.train_tokenizer < 257:
+            raise PrepareError(f"--train-tokenizer {self.train_tokenizer}: a byte-level BPE needs "
+                               "a vocabulary of at least 257 (256 bytes and the EOS token)")
         for name in ("workers", "shard_tokens", "block_bytes"):
             if getattr(self, name) < 1:
                 raise PrepareError(f"--{name.replace('_', '-')} {getattr(self, name)} must be >= 1")
@@ -174,16 +188,16 @@ class Tokenized:
     val_docs: int
     empty_docs: int         # JSON lines skipped for an empty text
     raw_bytes: int
+    train_keys: list        # (hash, tokens with EOS) of each training document
 
 
 class BlockTokenizer:
     """The worker's job: one Block in, its documents tokenized and split. The tokenizer is built
     on first use, inside the process that uses it."""
 
-    def __init__(self, spec: TokenizerSpec, opts: PrepareOptions):
+    def __init__(self, spec: TokenizerSpec | None, opts: PrepareOptions, threshold: float):
         self.spec, self.field, self.paragraphs = spec, opts.text_field, opts.split_blank_lines
-        self.threshold = opts.val_fraction * 2.0 ** 64
-        self.key = opts.seed.to_bytes(16, "little", signed=True)
+        self.threshold, self.key = threshold, seed_key(opts.seed)
         self.encode = None
 
     def documents(self, block: Block) -> list[str]:
@@ -201,18 +215,19 @@ class BlockTokenizer:
         kept = [d for d in docs if d.strip()]
         # Blank "paragraphs" are not documents; a JSON line with an empty text is a skipped one.
         empty = len(docs) - len(kept) if input_kind(block.path) == "jsonl" else 0
-        is_val = [int.from_bytes(hashlib.blake2b(d.encode("utf-8"), key=self.key,
-                                                 digest_size=8).digest(), "little") < self.threshold
-                  for d in kept]
+        hashes = [doc_hash(d, self.key) for d in kept]
+        is_val = [h < self.threshold for h in hashes]
         eos = np.array([self.spec.eos_id], dtype=self.spec.dtype)
-        parts = {False: [], True: []}
-        for ids, val in zip(self.encode(kept), is_val, strict=True):
+        parts, train_keys = {False: [], True: []}, []
+        for ids, val, h in zip(self.encode(kept), is_val, hashes, strict=True):
             parts[val] += [ids, eos]
+            if not val:
+                train_keys.append((h, len(ids) + 1))
         joined = {k: np.concatenate(v) if v else np.zeros(0, self.spec.dtype)
                   for k, v in parts.items()}
         n_val = sum(is_val)
         return Tokenized(block.file, joined[False], joined[True], len(kept) - n_val, n_val,
-                         empty, block.raw_bytes)
+                         empty, block.raw_bytes, train_keys)
 
 
 _JOB: BlockTokenizer | None = None    # each worker process's own job (multiprocessing idiom)
@@ -310,37 +325,89 @@ class Progress:
         self.stream.flush()
 
 
-def prepare(opts: PrepareOptions, stderr=sys.stderr) -> dict:
-    """Writes the prepared folder at opts.out and returns its index; PrepareError on bad input."""
+class _MoreValidation(Exception):
+    """The split held too few validation tokens: tokenize again with this threshold."""
+
+    def __init__(self, threshold: int, moved: int):
+        super().__init__(threshold, moved)
+        self.threshold, self.moved = threshold, moved
+
+
+# Tries of --train-tokenizer: each raise of the threshold retrains on the smaller training split
+# (a new vocabulary may count the documents differently); it settles in one or two.
+_TRAIN_TRIES = 4
+
+
+def prepare(opts: PrepareOptions, stderr=None) -> dict:
+    """Writes the prepared folder at opts.out and returns its index; PrepareError on bad input.
+    Progress and notes go to `stderr` (default: sys.stderr as it is at the call)."""
+    stderr = sys.stderr if stderr is None else stderr
     opts.check()
-    spec = resolve_tokenizer(opts.tokenizer, opts.eos_token)
     out = os.path.abspath(opts.out)
     os.makedirs(os.path.dirname(out), exist_ok=True)
-    tmp = tempfile.mkdtemp(prefix=os.path.basename(out) + ".tmp-", dir=os.path.dirname(out))
-    try:
-        index = _write(opts, spec, tmp, stderr)
-        if os.path.exists(out):          # --overwrite, checked to be a prepared folder
-            old = tempfile.mkdtemp(prefix=os.path.basename(out) + ".old-", dir=os.path.dirname(out))
-            os.rename(out, os.path.join(old, "dir"))
-            os.rename(tmp, out)
-            shutil.rmtree(old)
-        else:
-            os.rename(tmp, out)
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
-    return index
+    threshold = opts.val_fraction * 2.0 ** 64
+    for _ in range(_TRAIN_TRIES if opts.train_tokenizer else 2):
+        work = tempfile.mkdtemp(prefix=os.path.basename(out) + ".tmp-", dir=os.path.dirname(out))
+        try:
+            spec = _tokenizer(opts, threshold, work, stderr)
+            tmp = os.path.join(work, "out")
+            os.mkdir(tmp)      # the umask's mode (mkdtemp's 0700 would lock out other users)
+            try:
+                index = _write(opts, spec, tmp, stderr, threshold)
+            except _MoreValidation as more:
+                stderr.write(f"prepare: the documents under --val-fraction {opts.val_fraction} hold "
+                             f"fewer than --val-tokens {opts.val_tokens:,} tokens; holding out "
+                             f"{more.moved:,} more (the lowest hashes, {more.threshold / 2 ** 64:.4g} "
+                             "of the hash range) and starting again\n")
+                threshold = more.threshold
+                continue
+            _install(tmp, out)
+            return index
+        finally:
+            shutil.rmtree(work, ignore_errors=True)
+    raise PrepareError("the validation split did not settle (each new vocabulary of "
+                       "--train-tokenizer counted it short again); pass a smaller --val-tokens "
+                       "or a larger --val-fraction")
 
 
-def _write(opts: PrepareOptions, spec: TokenizerSpec, tmp: str, stderr) -> dict:
+def _tokenizer(opts: PrepareOptions, threshold: float, work: str, stderr) -> TokenizerSpec:
+    if not opts.train_tokenizer:
+        return resolve_tokenizer(opts.tokenizer, opts.eos_token)
+    from moepar.data.bpe import train_bpe
+    job = BlockTokenizer(None, opts, threshold)
+    documents = (doc for block in _read_blocks(opts.inputs, opts) for doc in job.documents(block)
+                 if doc.strip() and doc_hash(doc, job.key) >= threshold)
+    path = os.path.join(work, "tokenizer.json")
+    train_bpe(documents, opts.train_tokenizer, path)
+    stderr.write(f"prepare: trained a byte-level BPE of {opts.train_tokenizer:,} tokens on the "
+                 "training split\n")
+    return resolve_tokenizer(path, opts.eos_token)   # finds EOS_TOKEN among the specials
+
+
+def _install(tmp: str, out: str):
+    """Renames the finished folder to `out` (replacing a prepared one, --overwrite)."""
+    if os.path.exists(out):          # --overwrite, checked to be a prepared folder
+        old = tempfile.mkdtemp(prefix=os.path.basename(out) + ".old-", dir=os.path.dirname(out))
+        os.rename(out, os.path.join(old, "dir"))
+        os.rename(tmp, out)
+        shutil.rmtree(old)
+    else:
+        os.rename(tmp, out)
+
+
+def _write(opts: PrepareOptions, spec: TokenizerSpec, tmp: str, stderr, threshold: float) -> dict:
     writers = {split: ShardWriter(tmp, split, spec.dtype, opts.shard_tokens)
                for split in ("train", "val")}
     docs = {split: [0] * len(opts.inputs) for split in ("train", "val", "empty")}
     progress = Progress(sum(os.path.getsize(p) for p in opts.inputs), stderr)
     done = tokens = 0
-    job = BlockTokenizer(spec, opts)
+    job = BlockTokenizer(spec, opts, threshold)
+    reserve = Reserve(opts.val_tokens) if opts.val_fraction > 0 and opts.val_tokens else None
     for result in _ordered_results(job, _read_blocks(opts.inputs, opts), opts.workers):
         writers["train"].add(result.train)
         writers["val"].add(result.val)
+        if reserve is not None:
+            reserve.add(result.train_keys)
         for split in docs:
             docs[split][result.file] += getattr(result, f"{split}_docs")
         done += result.raw_bytes
@@ -354,7 +421,19 @@ def _write(opts: PrepareOptions, spec: TokenizerSpec, tmp: str, stderr) -> dict:
     if not sum(docs["train"]):
         raise PrepareError(f"every document went to the validation split (--val-fraction "
                            f"{opts.val_fraction}); give more documents or a smaller fraction")
-    if opts.val_fraction > 0 and not sum(docs["val"]):
+    if reserve is not None:
+        counts = {s: w.fill + sum(x["num_tokens"] for x in w.shards) for s, w in writers.items()}
+        hint = ("; with .txt inputs, --split-blank-lines makes every paragraph a document"
+                if not opts.split_blank_lines and any(input_kind(p) == "txt" for p in opts.inputs)
+                else "")
+        try:
+            raised = raised_threshold(reserve, counts["val"], counts["train"], opts.val_tokens,
+                                      hint)
+        except ValueError as e:
+            raise PrepareError(str(e)) from None
+        if raised is not None:
+            raise _MoreValidation(*raised)
+    elif opts.val_fraction > 0 and not sum(docs["val"]):
         stderr.write(f"prepare: warning: no document fell in the validation split "
                      f"(--val-fraction {opts.val_fraction} of {sum(docs['train'])} documents); "
                      f"evaluation on this folder will refuse to run\n")
@@ -363,12 +442,18 @@ def _write(opts: PrepareOptions, spec: TokenizerSpec, tmp: str, stderr) -> dict:
     if spec.kind != "bytes":
         shutil.copyfile(spec.path, os.path.join(tmp, "tokenizer.json"))
         tokenizer.update(file="tokenizer.json", source=spec.path)
+    if opts.train_tokenizer:
+        tokenizer["source"] = (f"moepar data prepare --train-tokenizer {opts.train_tokenizer}: a "
+                               "byte-level BPE trained on this folder's train split")
     from moepar import __version__
     index = {
         "format": FORMAT, "version": VERSION, "dtype": spec.dtype, "tokenizer": tokenizer,
         "splits": {split: w.summary(sum(docs[split])) for split, w in writers.items()},
         "split_rule": {"seed": opts.seed, "val_fraction": opts.val_fraction,
-                       "hash": "blake2b-64 of the document's UTF-8 text keyed by the seed"},
+                       "val_tokens": opts.val_tokens, "threshold": int(threshold),
+                       "hash": "blake2b-64 of the document's UTF-8 text keyed by the seed, "
+                               "below the threshold (val_fraction * 2^64, or raised so that "
+                               "val holds val_tokens)"},
         "inputs": [{"path": path, "train_documents": docs["train"][i],
                     "val_documents": docs["val"][i], "empty_documents_skipped": docs["empty"][i]}
                    for i, path in enumerate(opts.inputs)],

@@ -195,11 +195,15 @@ def validation_batches(data, num_batches: int, batch_size: int, seq_len: int,
             continue
         val = source.folder.split("val")
         span = len(val) - seq_len - 1           # the last possible window start
-        if len(val) < count * seq_len + 1:
+        need = count * seq_len + 1
+        if len(val) < need:
+            holds = max(len(val) - 1, 0) // seq_len
             raise ValueError(f"{source.label}={source.path!r}: the validation split has "
                              f"{len(val)} tokens, fewer than {count} windows of train.seq_len="
-                             f"{seq_len} need ({count * seq_len + 1}); prepare it with a larger "
-                             "--val-fraction or ask for fewer batches")
+                             f"{seq_len} need ({need}); prepare the folder again with "
+                             f"`moepar data prepare ... --val-tokens {need} --overwrite`, or "
+                             f"evaluate fewer windows (it holds {holds}: train.eval_batches x "
+                             f"train.global_batch_size of them)")
         for j in range(count):
             start = span * j // max(count - 1, 1)
             rows.append(np.asarray(val[start:start + seq_len + 1]))

@@ -2,6 +2,11 @@
 
     moepar convert --from hf SRC_DIR --to moepar DST_DIR [--dequantize-dtype bfloat16|float32]
     moepar convert --from moepar SRC_DIR --to hf DST_DIR [--arch NAME] [--max-shard-size BYTES]
+
+`--from moepar` takes a checkpoint directory, or a run directory (its newest complete
+checkpoint, named in the log). `--to hf` writes the architecture `--arch` names, else the one the
+source came from (a converted HF model), else the one architecture the model fits; it guesses
+none: a model that fits several, or none, is refused with the choices and the flag.
 """
 
 import argparse
@@ -18,7 +23,8 @@ def build_parser() -> argparse.ArgumentParser:
         prog="moepar convert", description="Convert a Hugging Face MoE folder to a moepar "
         "checkpoint (--from hf SRC --to moepar DST) or back (--from moepar SRC --to hf DST). "
         "DST must not exist; nothing is left there on error.")
-    parser.add_argument("src", help="the source folder (HF model, or moepar checkpoint step)")
+    parser.add_argument("src", help="the source folder: a HF model, or a moepar checkpoint or run "
+                                    "directory (its newest complete checkpoint)")
     parser.add_argument("--from", dest="source", choices=["hf", "moepar"], required=True,
                         help="what SRC is")
     parser.add_argument("--to", dest="target", choices=["hf", "moepar"], required=True,
@@ -26,7 +32,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("dst", help="the destination folder (must not exist)")
     parser.add_argument("--arch", choices=sorted(ARCHS),
                         help="HF architecture to write (--to hf; default: the source's, or the "
-                             "one the model's options match)")
+                             "only one the model's options fit)")
     parser.add_argument("--max-shard-size", type=int, default=2 << 30, metavar="BYTES",
                         help="bytes per output safetensors shard (default 2 GiB)")
     parser.add_argument("--dequantize-dtype", choices=["bfloat16", "float32"], default="bfloat16",
@@ -54,6 +60,55 @@ def _positionals_last(argv: list[str]) -> list[str]:
     return flags + positionals
 
 
+def moepar_checkpoint(src: str, log=print) -> str:
+    """The checkpoint directory `src` names: itself, or a run directory's newest complete one."""
+    from moepar.infer.source import SourceError, resolve_source
+    from .arch import ConversionError
+    try:
+        source = resolve_source(src)
+    except SourceError as e:
+        raise ConversionError(str(e)) from None
+    if source.kind == "hf":
+        raise ConversionError(f"{src!r} is a Hugging Face folder, not a moepar checkpoint: "
+                              "convert it with --from hf")
+    if source.kind == "run":
+        log(f"converting {source.weights}: the newest complete checkpoint of run {src}")
+    return source.weights
+
+
+def export_arch(ckpt: str, log=print) -> str | None:
+    """The architecture to write when --arch is not given: None (the source's own, a converted
+    HF model's), or the one architecture the model fits; several or none is an error that names
+    the choices and --arch."""
+    import json
+    import os
+    from moepar.checkpoint import read_state
+    from moepar.layers.model import ModelConfig
+    from moepar.layers.router import RouterConfig
+    from .arch import ARCHS, ConversionError, arch_problems, matching_archs
+    hf_config = os.path.join(ckpt, "hf_config.json")
+    if os.path.isfile(hf_config):
+        with open(hf_config) as f:
+            if isinstance(json.load(f).get("model_type"), str):
+                return None
+    try:
+        config = read_state(ckpt)["config"]
+        model, router = ModelConfig(**config["model"]), RouterConfig(**config["router"])
+    except (KeyError, TypeError, ValueError) as e:
+        raise ConversionError(f"{ckpt!r}: state.json holds no usable model config ({e})") from None
+    fits = matching_archs(model, router)
+    if len(fits) == 1:
+        log(f"architecture {fits[0]}: the only one this model fits (--arch NAME to choose)")
+        return fits[0]
+    if fits:
+        raise ConversionError(f"this model fits several Hugging Face architectures "
+                              f"({', '.join(fits)}); choose one with --arch NAME")
+    reasons = "\n  ".join(f"{name}: {'; '.join(arch_problems(arch, model, router))}"
+                          for name, arch in ARCHS.items())
+    raise ConversionError("this model fits no Hugging Face architecture, and --arch was not "
+                          f"given; the choices for --arch NAME, and what each needs:\n  {reasons}")
+
+
 def main(argv: list[str]) -> int:
     from .arch import ConversionError
     from .convert import hf_to_moepar, moepar_to_hf
@@ -67,7 +122,9 @@ def main(argv: list[str]) -> int:
             out = hf_to_moepar(args.src, args.dst, args.max_shard_size,
                                getattr(torch, args.dequantize_dtype))
         else:
-            out = moepar_to_hf(args.src, args.dst, args.arch, args.max_shard_size)
+            ckpt = moepar_checkpoint(args.src)
+            arch = args.arch or export_arch(ckpt)
+            out = moepar_to_hf(ckpt, args.dst, arch, args.max_shard_size)
     except (ConversionError, ValueError) as e:
         print(f"moepar: conversion error: {e}", file=sys.stderr)
         return 1

@@ -28,6 +28,7 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 from moepar.config import sections_toml
+from moepar.filemode import follow_umask
 from moepar.hf.arch import (ARCHS, ConversionError, arch_by_name, export_notes, hf_config_dict,
                             load_hf_json, matching_archs, mtp_layers, read_hf_config,
                             router_loss_fields)
@@ -168,6 +169,7 @@ class _ShardWriter:
             return
         file = self.pattern.format(self.count)
         save_file(self.buffer, os.path.join(self.folder, file), metadata={"format": "pt"})
+        follow_umask(os.path.join(self.folder, file))      # save_file makes 0600
         self.weight_map.update({name: file for name in self.buffer})
         self.count += 1
         self.buffer, self.size = {}, 0

@@ -208,10 +208,13 @@ def load_tokenizer(source: Source, override: str | None = None) -> Tokenizer:
     if os.path.isfile(os.path.join(source.weights, "tokenizer.json")):
         return _hf_tokenizer(source.weights, None, special=True)
     if source.kind == "hf":
-        raise SourceError(f"{source.path!r} has no tokenizer.json; pass --tokenizer (a "
-                          "tokenizer.json or a folder holding one)")
+        raise SourceError(f"{source.path!r} has no tokenizer.json; pass --tokenizer FILE (a "
+                          "tokenizer.json or a folder holding one), or --tokenizer bytes for a "
+                          "byte-level model (vocabulary 256, a token per byte: what moepar "
+                          "exports of a run on its builtin or text data)")
     data = source.config.get("data")
     if data is None:
         raise SourceError(f"checkpoint {source.weights!r} records no training data and holds no "
-                          "tokenizer.json; pass --tokenizer")
+                          "tokenizer.json; pass --tokenizer FILE (a tokenizer.json or a folder "
+                          "holding one), or --tokenizer bytes for a byte-level model")
     return _data_tokenizer(data, f"checkpoint {source.weights!r}")

@@ -97,7 +97,7 @@ def param_count(cfg) -> dict:
     shapes = tensor_shapes(cfg)
     dense = sum(math.prod(s) for group in shapes.values() for s, kind in group if kind == "dense")
     expert = sum(math.prod(s) for group in shapes.values() for s, kind in group if kind == "expert")
-    active = dense + expert * cfg.top_k // cfg.num_experts
+    active = dense + (expert * cfg.top_k // cfg.num_experts if cfg.num_experts else 0)
     return {"total": dense + expert, "dense": dense, "expert": expert, "active": active}
 
 

@@ -56,7 +56,7 @@ def test_prepare_train_resume_through_the_cli(tmp_path):
     assert [resumed[s] for s in (3, 4)] == [straight[s] for s in (3, 4)]
     # The same run on other data is refused, naming what differs.
     result = moepar("data", "prepare", "--tokenizer", "bytes", "--input", str(tmp_path / "book.txt"),
-                    "--out", str(tmp_path / "other"))
+                    "--out", str(tmp_path / "other"), "--val-fraction", "0")   # one document
     assert result.returncode == 0, result.stderr[-3000:]
     result = moepar(*train[:3], f"--data.path={tmp_path / 'other'}", *train[4:],
                     "--train.steps=6", "--run.resume=true")
@@ -107,7 +107,7 @@ def test_converted_model_trains_on_its_own_tokenizer(tmp_path):
     assert (index["tokenizer"]["eos_id"], index["tokenizer"]["vocab_size"]) == (2, tok.get_vocab_size())
     assert losses(tmp_path / "run").keys() == {1, 2}
     result = moepar("data", "prepare", "--tokenizer", "bytes", "--input",
-                    str(tmp_path / "book.txt"), "--out", str(tmp_path / "bytes"))
+                    str(tmp_path / "book.txt"), "--out", str(tmp_path / "bytes"), "--val-fraction", "0")
     assert result.returncode == 0, result.stderr[-3000:]
     result = moepar(*train, f"--data.path={tmp_path / 'bytes'}", f"--run.dir={tmp_path / 'run2'}")
     assert result.returncode != 0

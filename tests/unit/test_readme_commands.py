@@ -1,6 +1,7 @@
-"""Every `moepar ...` command in README.md's code blocks parses with the real parser of its
-subcommand, and `moepar train`'s (and `plan`'s, `eval`'s) config overrides with load_config:
-an unknown flag or config key fails here. Nothing runs. README.md is read at test time.
+"""Every `moepar ...` command in the code blocks of README.md and of every docs/*.md page parses
+with the real parser of its subcommand, and `moepar train`'s (and `plan`'s, `eval`'s) config
+overrides with load_config: an unknown flag or config key fails here. Nothing runs. The pages
+are read at test time.
 
 Which lines are commands: in a block with `$ ` prompts, the prompt lines only (the rest is
 output); elsewhere every line (and each `&&`/`;` part) that starts with `moepar COMMAND` or
@@ -266,9 +267,9 @@ CHECKS = {"train": check_train, "plan": check_plan, "eval": check_eval, "convert
           "generate": check_plain("moepar.infer.generate")}
 
 
-def check(command: str):
-    """Raises AssertionError (naming the command and the problem) unless every variant of
-    `command` parses."""
+def check(command: str, page: str = "README.md"):
+    """Raises AssertionError (naming the page, the command and the problem) unless every variant
+    of `command` parses."""
     for variant in variants(command):
         words = shlex.split(variant)[1:]
         if words[0] in ("--version", "--help", "-h"):
@@ -277,23 +278,42 @@ def check(command: str):
         try:
             CHECKS[words[0]](words[1:])
         except (AssertionError, ValueError) as e:
-            raise AssertionError(f"README: `{variant}`: {e}") from None
+            raise AssertionError(f"{page}: `{variant}`: {e}") from None
 
 
-README = (ROOT / "README.md").read_text(encoding="utf-8")
-COMMANDS_IN_README = readme_commands(README)
+PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
+
+
+def page_commands() -> list[tuple[str, str]]:
+    """(page, command) for every command of README.md and docs/*.md, each page's once."""
+    out = []
+    for path in PAGES:
+        name = str(path.relative_to(ROOT))
+        out += [(name, c) for c in readme_commands(path.read_text(encoding="utf-8"))]
+    return out
+
+
+COMMANDS_IN_PAGES = page_commands()
+COMMANDS_IN_README = [c for page, c in COMMANDS_IN_PAGES if page == "README.md"]
 
 
 def test_readme_has_commands_of_every_kind_it_documents():
     kinds = {shlex.split(c)[1] for c in COMMANDS_IN_README}
-    assert {"train", "bench"} <= kinds, kinds
+    assert "train" in kinds, kinds          # the first of the two commands
     assert all(k in CHECKS for k in kinds - {"--version", "--help", "-h"}), kinds
 
 
-@pytest.mark.parametrize("command", COMMANDS_IN_README,
-                         ids=[c[:70] for c in COMMANDS_IN_README])
-def test_readme_command_parses(command):
-    check(command)
+def test_the_docs_show_every_command():
+    """docs/ is read (it holds most of the commands), and every `moepar X` is shown at work."""
+    in_docs = [c for page, c in COMMANDS_IN_PAGES if page.startswith("docs/")]
+    assert len(in_docs) > len(COMMANDS_IN_README), (len(in_docs), len(COMMANDS_IN_README))
+    assert {shlex.split(c)[1] for c in in_docs} >= set(CHECKS), sorted(CHECKS)
+
+
+@pytest.mark.parametrize("page, command", COMMANDS_IN_PAGES,
+                         ids=[f"{p}:{c[:60]}" for p, c in COMMANDS_IN_PAGES])
+def test_readme_command_parses(page, command):
+    check(command, page)
 
 
 # The checker itself: it must refuse what moepar would refuse.
@@ -314,7 +334,7 @@ BAD = ["moepar train examples/tiny.toml --nproc 2 --no-such-flag",
 
 @pytest.mark.parametrize("command", BAD)
 def test_the_checker_refuses_what_moepar_refuses(command):
-    with pytest.raises(AssertionError, match="README: `moepar"):
+    with pytest.raises(AssertionError, match="README.md: `moepar"):
         check(command)
 
 
