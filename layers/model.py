@@ -231,6 +231,12 @@ class Block(nn.Module):
 class Transformer(nn.Module):
     """forward(tokens_BS) -> (logits_BSV, [MoEOutput per MoE layer, in layer order]).
 
+    A pipeline stage is this model with the modules its rank does not hold removed
+    (parallel/pipeline.py `apply_pp`): without `embed` it takes the previous stage's hidden
+    states, without `norm` (and head) it returns its own, and `chunk_slices` (interleaved
+    schedules) cuts its blocks into chunks, `forward(x, chunk=j)` running chunk j. Its blocks keep
+    their model-wide names and ids (`layers.<id>`), so checkpoints do not depend on the split.
+
     MoE layers inject their aux losses into backward with scale `aux_loss_scale` (set it to the
     weight the caller gives each micro-batch's loss, e.g. 1/num_micro_batches). A balance loss
     over all MoE layers (router.balance_loss='all_layers', or the global scope) is finished at
@@ -254,6 +260,8 @@ class Transformer(nn.Module):
         if not cfg.tie_embeddings:
             self.head = nn.Linear(cfg.dim, cfg.vocab_size, bias=False)
             nn.init.normal_(self.head.weight, std=cfg.init_std)
+        # Positions of the blocks of each chunk in `layers` (a pipeline stage's); None: one chunk.
+        self.chunk_slices: list[slice] | None = None
         cos, sin = self.rotary_buffers(cfg)
         self.register_buffer("rope_cos", cos, persistent=False)
         self.register_buffer("rope_sin", sin, persistent=False)
@@ -269,41 +277,70 @@ class Transformer(nn.Module):
         `.to(dtype)` rounds them once for others."""
         return rotary_tables(cfg.max_seq_len, cfg.rope_dim, cfg.rope_theta, yarn=cfg.yarn)
 
+    # Under sequence parallelism hidden states hold 1/seq_split of each sequence (tensor.py).
+    seq_split = 1
+
+    @property
+    def layer_ids(self) -> list[int]:
+        """The model layer number of each block this model holds, in order."""
+        return [block.layer_id for block in self.layers]
+
+    @property
+    def num_chunks(self) -> int:
+        return 1 if self.chunk_slices is None else len(self.chunk_slices)
+
     def moe_layers(self) -> list[MoE]:
+        """This model's MoE layers in layer order (the order its MoE outputs come back in)."""
         return [block.ffn for block in self.layers if block.is_moe]
+
+    def moe_indices(self) -> list[int]:
+        """Positions of this model's MoE layers among the whole model's (a pipeline stage holds
+        some): where each one's step statistics belong."""
+        moe_ids = [i for i in range(self.cfg.num_layers) if self.cfg.is_moe_layer(i)]
+        return [moe_ids.index(block.layer_id) for block in self.layers if block.is_moe]
 
     def set_aux_loss_scale(self, scale: float):
         for moe in self.moe_layers():
             moe.aux_loss_scale = scale
 
-    def forward(self, tokens_BS, balance: MicroBalance | None = None, *, cache: KVCache | None = None,
-                logits_to_keep: int = 0):
-        """`balance`: the micro-batch's holder of a deferred balance loss (None: a holder of this
+    def forward(self, x, balance: MicroBalance | None = None, *, cache: KVCache | None = None,
+                logits_to_keep: int = 0, chunk: int | None = None):
+        """`x`: token ids [B, S], or the hidden states [B, S, D] a previous pipeline stage sent
+        (this model holds no embedding, or runs a chunk after its first). Returns (logits, or the
+        hidden states when this model or chunk does not end the model; the MoE outputs).
+        `balance`: the micro-batch's holder of a deferred balance loss (None: a holder of this
         call's own when training needs one). `cache` (decoding): tokens_BS are the positions after
         the cached ones; their keys and values are added to it. Each call is one capacity group of
         its MoE layers. `logits_to_keep` > 0: logits of the last that many positions only (a
-        prompt's prefill needs one row of [S, V], not all)."""
+        prompt's prefill needs one row of [S, V], not all). `chunk`: run that chunk of
+        `chunk_slices` only."""
+        last_chunk = chunk is None or chunk == self.num_chunks - 1
         start = 0 if cache is None else cache.length
-        end = start + tokens_BS.shape[1]
-        if end > self.cfg.max_seq_len:
-            raise ValueError(f"sequence length {end} exceeds model.max_seq_len={self.cfg.max_seq_len}")
-        alone = balance is None and self.router_cfg.deferred_balance and torch.is_grad_enabled()
+        if self.embed is not None and not chunk:
+            if start + x.shape[1] > self.cfg.max_seq_len:
+                raise ValueError(f"sequence length {start + x.shape[1]} exceeds model.max_seq_len="
+                                 f"{self.cfg.max_seq_len}")
+            x = self.embed(x)
+        end = start + x.shape[1] * self.seq_split      # the rotary tables cover whole sequences
+        alone = (balance is None and self.router_cfg.deferred_balance and torch.is_grad_enabled()
+                 and self.chunk_slices is None)
         if alone:
             balance = MicroBalance()
-        x_BSD = self.embed(tokens_BS)
         cos, sin = self.rope_cos[start:end], self.rope_sin[start:end]
+        blocks = self.layers if chunk is None else self.layers[self.chunk_slices[chunk]]
         moe_outputs = []
-        for i, block in enumerate(self.layers):
-            x_BSD, moe_out = block(x_BSD, cos, sin, balance,
-                                   None if cache is None else cache.layers[i])
+        for i, block in enumerate(blocks):
+            x, moe_out = block(x, cos, sin, balance, None if cache is None else cache.layers[i])
             if moe_out is not None:
                 moe_outputs.append(moe_out)
         if alone:
             BalanceStep(self.router_cfg, self.cfg.num_experts, self.cfg.top_k,
-                        device=x_BSD.device).finish(balance)
+                        device=x.device).finish(balance)
+        if self.norm is None or not last_chunk:
+            return x, moe_outputs
         if logits_to_keep:
-            x_BSD = x_BSD[:, -logits_to_keep:]
-        return self.output(x_BSD), moe_outputs
+            x = x[:, -logits_to_keep:]
+        return self.output(x), moe_outputs
 
     def new_cache(self, capacity: int | None = None) -> KVCache:
         """An empty KV cache for up to `capacity` positions (default model.max_seq_len)."""

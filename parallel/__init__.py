@@ -20,7 +20,7 @@ from .ddp import OverlappedReducer
 from .dims import Layout, ParallelDims
 from .expert import apply_ep
 from .handle import LocalRunner, ParallelModel, materialize
-from .pipeline import build_stage
+from .pipeline import apply_pp
 from .pipeline_runner import PipelineRunner
 from .schedules import peak_in_flight
 from .tensor import apply_tp
@@ -60,7 +60,7 @@ def parallelize(model, layout: Layout, options: Options) -> ParallelModel:
     if options.recompute != "none":
         apply_recompute(model, options.recompute)
     if dims.pp > 1:
-        model = build_stage(model, layout.coords.pp, dims.pp, p.pp_virtual, p.pp_layers or None)
+        model = apply_pp(model, layout.coords.pp, dims.pp, p.pp_virtual, p.pp_layers or None)
     on_meta = next(model.parameters()).device.type == "meta"
     if not on_meta:
         model.to(layout.device)

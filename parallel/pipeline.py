@@ -1,4 +1,5 @@
-"""Pipeline parallelism, the split: which layers each stage holds, and the stage module itself.
+"""Pipeline parallelism, the split: which layers each stage holds, and the stage itself, which is
+the model with the modules its rank does not hold removed (`apply_pp`).
 
 Talks on no process group: the schedules and their point-to-point traffic live in
 schedules.py.
@@ -17,18 +18,18 @@ chunk 0, the final norm and head with the last chunk.
 | norm, head      | pp rank pp-1 (the last chunk)         | norm.weight, head.weight        |
 | rope tables     | every rank (buffers, not saved)       | -                               |
 
-Names are the full model's, so checkpoints and MoE layer ids do not depend on the split.
+Names are the full model's, so checkpoints and MoE layer ids do not depend on the split. The
+stage runs the model's own forward (layers/model.py `Transformer`): without the embedding it
+takes hidden states, without the final norm it returns them, and `chunk_slices` gives each local
+chunk's blocks; tensor parallelism's class (applied before the split) keeps its output, so the
+last stage gathers the sequence before the head as the whole model does.
 Tied embeddings are refused when pp > 1: the tied weight would sit on two ranks and need its
 own gradient all-reduce between the first and last stage.
 """
 
-import torch
-import torch.nn.functional as F
 from torch import nn
 
-from .tensor import gather_sequence
-
-__all__ = ["split_layers", "rank_chunks", "StageModule", "build_stage"]
+__all__ = ["split_layers", "rank_chunks", "apply_pp"]
 
 
 def split_layers(num_layers: int, pp: int, virtual: int = 1,
@@ -83,95 +84,30 @@ class _LayersById(nn.ModuleList):
         return list(self._modules.values())[idx]
 
 
-class StageModule(nn.Module):
-    """This pipeline rank's part of a Transformer: its chunks' blocks (and embed / norm, head).
-
-    `forward(x, chunk=j)` runs local chunk j (global chunk `chunk_ids[j]`): tokens_BS in on global
-    chunk 0, x_BSD otherwise; x_BSD out, or logits_BSV from the last chunk. Returns
-    (out, [MoEOutput of the chunk's MoE layers, in layer order]).
-    """
-
-    def __init__(self, model, pp_rank: int, pp: int, virtual: int = 1,
-                 pp_layers: list[int] | None = None):
-        super().__init__()
-        cfg = model.cfg
-        counts = split_layers(cfg.num_layers, pp, virtual, pp_layers)
-        if cfg.tie_embeddings and pp > 1:
-            raise ValueError("model.tie_embeddings=true with parallel.pp>1 is not supported: the "
-                             "embedding (first stage) and head (last stage) would share a weight "
-                             "across ranks; set model.tie_embeddings=false or parallel.pp=1")
-        self.cfg, self.pp, self.pp_rank, self.virtual = cfg, pp, pp_rank, virtual
-        self.router_cfg = model.router_cfg
-        self.num_chunks = pp * virtual
-        self.chunk_ids = rank_chunks(pp_rank, pp, virtual)
-        starts = [sum(counts[:c]) for c in range(self.num_chunks + 1)]
-        # Positions in self.layers of each local chunk's blocks (layer ids ascend with chunks).
-        self.chunk_slices, blocks = [], []
-        for c in self.chunk_ids:
-            self.chunk_slices.append(slice(len(blocks), len(blocks) + counts[c]))
-            blocks += [model.layers[i] for i in range(starts[c], starts[c + 1])]
-        self.layer_ids = [b.layer_id for b in blocks]
-        self.is_first = self.chunk_ids[0] == 0
-        self.is_last = self.chunk_ids[-1] == self.num_chunks - 1
-        self.embed = model.embed if self.is_first else None
-        self.layers = _LayersById(blocks)
-        self.norm = model.norm if self.is_last else None
-        self.head = model.head if self.is_last else None
-        self.register_buffer("rope_cos", model.rope_cos, persistent=False)
-        self.register_buffer("rope_sin", model.rope_sin, persistent=False)
-        # Under tensor parallelism (applied before the split) hidden states between blocks, and so
-        # between stages, hold 1/tp of each sequence; the head gathers it back.
-        self.seq_split = getattr(model, "tp_size", 1)
-        self.tp_group = getattr(model, "tp_group", None)
-
-    def moe_layers(self):
-        """This rank's MoE layers in layer order (the order its MoE outputs come back in)."""
-        return [block.ffn for block in self.layers if block.is_moe]
-
-    def moe_indices(self) -> list[int]:
-        """Positions of this rank's MoE layers in the full model's `moe_layers()` list (where the
-        step statistics of each belong when the stages' statistics are put together)."""
-        moe_ids = [i for i in range(self.cfg.num_layers) if self.cfg.is_moe_layer(i)]
-        return [moe_ids.index(block.layer_id) for block in self.layers if block.is_moe]
-
-    def set_aux_loss_scale(self, scale: float):
-        for moe in self.moe_layers():
-            moe.aux_loss_scale = scale
-
-    def activation_dtype(self) -> torch.dtype:
-        """The dtype of the hidden states between stages: the parameters' (the residual stream
-        stays in it under autocast)."""
-        return next(self.parameters()).dtype
-
-    def forward(self, x, chunk: int = 0, balance=None):
-        """`balance`: the micro-batch's holder of a deferred balance loss (layers/balance.py);
-        the pipeline runner passes it and finishes it across the stages."""
-        global_chunk = self.chunk_ids[chunk]
-        if global_chunk == 0:
-            seq = x.shape[1]
-            if seq > self.cfg.max_seq_len:
-                raise ValueError(f"sequence length {seq} exceeds model.max_seq_len="
-                                 f"{self.cfg.max_seq_len}")
-            x = self.embed(x)
-        seq = x.shape[1] * self.seq_split      # rotary tables cover the whole sequence
-        cos, sin = self.rope_cos[:seq], self.rope_sin[:seq]
-        moe_outputs = []
-        for block in self.layers[self.chunk_slices[chunk]]:
-            x, moe_out = block(x, cos, sin, balance)
-            if moe_out is not None:
-                moe_outputs.append(moe_out)
-        if global_chunk == self.num_chunks - 1:
-            x = self.norm(x)
-            if self.seq_split > 1:
-                x = gather_sequence(x, self.tp_group)
-            weight = self.embed.weight if self.head is None else self.head.weight
-            x = F.linear(x, weight)
-        return x, moe_outputs
-
-
-def build_stage(model, pp_rank: int, pp: int, virtual: int = 1,
-                pp_layers: list[int] | None = None) -> StageModule:
-    """This rank's StageModule, built from a full Transformer (built from the same seed on every
-    rank). The stage takes the model's modules as they are (no copy): apply EP and activation
-    checkpointing to the full model first; data parallelism / ZeRO wrap the stage after."""
-    return StageModule(model, pp_rank, pp, virtual, pp_layers)
+def apply_pp(model, pp_rank: int, pp: int, virtual: int = 1, pp_layers: list[int] | None = None):
+    """Makes `model` (a whole Transformer, built from the same seed on every rank) pipeline rank
+    `pp_rank`'s stage, in place: it keeps its chunks' blocks (and the embedding on the first, the
+    final norm and head on the last) and forgets the rest; returns it. Apply expert and tensor
+    parallelism and recompute first (they change the blocks); data parallelism wraps the stage
+    after."""
+    cfg = model.cfg
+    counts = split_layers(cfg.num_layers, pp, virtual, pp_layers)
+    if cfg.tie_embeddings and pp > 1:
+        raise ValueError("model.tie_embeddings=true with parallel.pp>1 is not supported: the "
+                         "embedding (first stage) and head (last stage) would share a weight "
+                         "across ranks; set model.tie_embeddings=false or parallel.pp=1")
+    num_chunks = pp * virtual
+    chunk_ids = rank_chunks(pp_rank, pp, virtual)
+    starts = [sum(counts[:c]) for c in range(num_chunks + 1)]
+    # Positions in the stage's layers of each local chunk's blocks (ids ascend with chunks).
+    chunk_slices, blocks = [], []
+    for c in chunk_ids:
+        chunk_slices.append(slice(len(blocks), len(blocks) + counts[c]))
+        blocks += [model.layers[i] for i in range(starts[c], starts[c + 1])]
+    if chunk_ids[0] != 0:
+        model.embed = None
+    if chunk_ids[-1] != num_chunks - 1:
+        model.norm = model.head = None
+    model.layers = _LayersById(blocks)
+    model.chunk_slices = chunk_slices
+    return model

@@ -85,7 +85,9 @@ class _Clock:
 
 
 class PipelineRunner:
-    """Runs one step's forwards and backwards of a StageModule under a schedule.
+    """Runs one step's forwards and backwards of a pipeline stage (a Transformer after
+    pipeline.py `apply_pp`: pp is the group's size, this rank its rank in it, and the stage's
+    chunks its virtual stages) under a schedule.
 
     Each micro-batch's loss is weighted 1/num_micro before backward, and MoE aux losses are
     injected with the same weight (set here on the stage), as the trainer does without pipelining.
@@ -112,25 +114,21 @@ class PipelineRunner:
         # would recompute fp32 regions such as the router's backward in the autocast dtype),
         # hence backward_scope inside step_scope's region.
         self.autocast = autocast
-        pp, virtual = stage.pp, stage.virtual
+        pp = 1 if pp_group is None else dist.get_world_size(pp_group)
+        self.virtual = virtual = stage.num_chunks
         self.device = next(stage.parameters()).device
         if pp > 1:
-            if pp_group is None or dist.get_world_size(pp_group) != pp:
-                size = 0 if pp_group is None else dist.get_world_size(pp_group)
-                raise ValueError(f"the stage was split for pp={pp}; the pp group has {size} ranks")
-            if dist.get_rank(pp_group) != stage.pp_rank:
-                raise ValueError(f"the stage is pp rank {stage.pp_rank}; this process is pp rank "
-                                 f"{dist.get_rank(pp_group)}")
             self.peers = [dist.get_global_rank(pp_group, r) for r in range(pp)]
             # Under NCCL a batch of P2P ops that only some ranks join must not be the group's
             # first collective; this all-reduce (every pp rank, once) is.
             dist.all_reduce(torch.zeros(1, device=self.device), group=pp_group)
-        self.pp, self.me, self.num_chunks = pp, stage.pp_rank, pp * virtual
+        self.pp, self.num_chunks = pp, pp * virtual
+        self.me = 0 if pp_group is None else dist.get_rank(pp_group)
         self.grid = timetable(schedule, pp, virtual, num_micro)
         self.order = [a for a in self.grid[self.me] if a is not None]
         self._forward_grid = None
         # Hidden states travel in the residual stream's dtype (the parameters'), or narrower.
-        self.act_dtype = stage.activation_dtype()
+        self.act_dtype = next(stage.parameters()).dtype
         self.wire_dtype = wire_dtype or self.act_dtype
         self.loss_scale = 1.0
         stage.set_aux_loss_scale(1.0 / num_micro)
@@ -181,10 +179,10 @@ class PipelineRunner:
         grid = self.grid
         if forward_only:
             if self._forward_grid is None:
-                self._forward_grid = timetable(FORWARD_ONLY, self.pp, self.stage.virtual, m)
+                self._forward_grid = timetable(FORWARD_ONLY, self.pp, self.virtual, m)
             grid = self._forward_grid
         batch, seq = targets[0].shape
-        shape_BSD = (batch, seq // getattr(self.stage, "seq_split", 1), self.stage.cfg.dim)
+        shape_BSD = (batch, seq // self.stage.seq_split, self.stage.cfg.dim)
         self._agree_on_shape(shape_BSD)
         # This step's buffers, keyed (chunk, micro): received inputs and output gradients, what
         # backward needs, MoE outputs; dropped when the step ends.
@@ -304,7 +302,7 @@ class PipelineRunner:
                 x.requires_grad_()
         holder = None if state["balance"] is None else MicroBalance()
         with self.autocast():
-            out, moe_outputs = self.stage(x, chunk=c // self.pp, balance=holder)
+            out, moe_outputs = self.stage(x, holder, chunk=c // self.pp)
             if c == self.num_chunks - 1:
                 loss = self.loss_fn(out, state["targets"][n].to(out.device, non_blocking=True))
         # Keep only what statistics need: `y` and the injected loss hold activations and graph.

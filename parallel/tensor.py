@@ -254,12 +254,16 @@ class TensorParallelTransformer(Transformer):
     capacity group and the balance and z losses those of the whole micro-batch (as at tp=1).
     """
 
-    def forward(self, tokens_BS, balance=None):
-        if tokens_BS.shape[1] % self.tp_size:
-            raise ValueError(f"sequence length {tokens_BS.shape[1]} must be divisible by "
+    @property
+    def seq_split(self) -> int:
+        return self.tp_size
+
+    def forward(self, x, balance=None, **kwargs):
+        if not x.is_floating_point() and x.shape[1] % self.tp_size:
+            raise ValueError(f"sequence length {x.shape[1]} must be divisible by "
                              f"parallel.tp={self.tp_size} (sequence parallelism splits it "
                              "between blocks)")
-        return super().forward(tokens_BS, balance)   # the blocks run on sequence slices x_BsD
+        return super().forward(x, balance, **kwargs)   # the blocks run on sequence slices x_BsD
 
     def output(self, x_BsD):
         """Final norm on this rank's slice, then the whole sequence through its vocabulary

@@ -227,7 +227,7 @@ class FullyShardedSync:
         # A block's outputs include MoEOutput.y, a view that Block already consumed out of place
         # (h + y); FSDP's warning about in-place ops on returned views does not apply.
         warnings.filterwarnings("ignore", message=r"FSDP2-wrapped module \(FSDP(Block|Transformer|"
-                                r"TensorParallelTransformer|StageModule)\) returned a view tensor")
+                                r"TensorParallelTransformer)\) returned a view tensor")
 
     def before_backward(self, last: bool, step_final: bool | None = None):
         # Per module: under interleaved pipelining each chunk's blocks sync on their own last

@@ -14,7 +14,7 @@ from configs import tiny_config, tiny_model, token_batches
 from moepar.layers.experts import GroupedExperts
 from moepar.parallel.dims import ParallelDims
 from moepar.parallel.expert import apply_ep
-from moepar.parallel.pipeline import build_stage
+from moepar.parallel.pipeline import apply_pp
 from moepar.parallel.pipeline_runner import PipelineRunner
 from moepar.parallel.schedules import (default_loss, measured_bubble,
                                        peak_in_flight, rank_order)
@@ -54,7 +54,7 @@ def case_parity(schedule: str, pp: int, virtual: int, m: int, model_kw: dict, lo
     full = copy.deepcopy(reference)
     if ep > 1:
         apply_ep(full, dims, meshes, rank)
-    stage = build_stage(full, coords.pp, pp, virtual)
+    stage = apply_pp(full, coords.pp, pp, virtual)
     inputs, targets = token_batches(m * dims.dp)
     mine = slice(coords.dp * m, (coords.dp + 1) * m)
     runner = PipelineRunner(stage, meshes.group("pp"), schedule, m, LOSSES[loss])

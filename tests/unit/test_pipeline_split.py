@@ -9,7 +9,7 @@ import torch
 import torch.nn.functional as F
 
 from configs import tiny_model, token_batches
-from moepar.parallel.pipeline import build_stage, rank_chunks, split_layers
+from moepar.parallel.pipeline import apply_pp, rank_chunks, split_layers
 from moepar.parallel.pipeline_runner import PipelineRunner
 from moepar.parallel.schedules import (Action, check_schedule, ideal_bubble,
                                        peak_in_flight, rank_order, timetable)
@@ -112,7 +112,7 @@ def test_stages_chained_equal_the_model_and_keep_its_names():
     model = tiny_model(num_layers=5, first_k_dense=1, moe_every=2)   # MoE layers 1 and 3
     tokens, _ = token_batches(1)
     want, want_moe = model(tokens[0])
-    stages = [build_stage(copy.deepcopy(model), r, 2, 2, pp_layers=[1, 2, 1, 1]) for r in range(2)]
+    stages = [apply_pp(copy.deepcopy(model), r, 2, 2, pp_layers=[1, 2, 1, 1]) for r in range(2)]
     assert [s.layer_ids for s in stages] == [[0, 3], [1, 2, 4]]
     assert [s.moe_indices() for s in stages] == [[1], [0]]
     x, moe = tokens[0], []
@@ -130,8 +130,8 @@ def test_stages_chained_equal_the_model_and_keep_its_names():
 def test_tied_embeddings_refused_across_ranks_but_fine_on_one():
     model = tiny_model(tie_embeddings=True)
     with pytest.raises(ValueError, match="tie_embeddings=true with parallel.pp>1"):
-        build_stage(copy.deepcopy(model), 0, 2)
-    stage = build_stage(model, 0, 1, 2)     # both ends on this rank: the tie just works
+        apply_pp(copy.deepcopy(model), 0, 2)
+    stage = apply_pp(model, 0, 1, 2)     # both ends on this rank: the tie just works
     tokens, _ = token_batches(1)
     x, _ = stage(tokens[0], chunk=0)
     logits, _ = stage(x, chunk=1)
@@ -143,7 +143,7 @@ def test_runner_on_one_rank_equals_accumulation(schedule, virtual):
     reference = tiny_model(first_k_dense=1)
     inputs, targets = token_batches(3)
     want = reference_step(reference, inputs, targets)
-    stage = build_stage(copy.deepcopy(reference), 0, 1, virtual)
+    stage = apply_pp(copy.deepcopy(reference), 0, 1, virtual)
     for p in stage.parameters():
         p.grad = None
     runner = PipelineRunner(stage, None, schedule, 3)
