@@ -17,7 +17,7 @@ from torch.autograd.graph import get_gradient_edge
 from .grouped_mm import grouped_mm
 
 __all__ = ["ACTIVATIONS", "GroupedExperts", "FeedForward", "SharedExperts", "expert_ffn",
-           "CastCache", "defer_weight_grads"]
+           "defer_weight_grads"]
 
 ACTIVATIONS = ("swiglu", "gelu")
 
@@ -59,36 +59,6 @@ def _in_features(ffn_dim: int, activation: str) -> int:
     return 2 * ffn_dim if activation == "swiglu" else ffn_dim
 
 
-class CastCache:
-    """Expert weights in the autocast dtype, cast once and shared until `clear()`: what autocast's
-    own cache does for the weights of `F.linear` within its outermost region, for the stacks
-    that `torch._grouped_mm` takes (autocast does not cover it, so each call would cast again).
-    A training loop that runs a whole step in one autocast region clears it when the step ends;
-    every micro-batch then shares one copy (and its one cast node in autograd), instead of each
-    micro-batch casting and keeping its own. Entries are keyed by the weight and grad mode (a
-    cast made under no_grad has no graph); whoever updates the weights clears it first."""
-
-    def __init__(self):
-        self._casts = {}
-
-    def get(self, w: torch.Tensor) -> torch.Tensor:
-        device = w.device.type
-        if not torch.is_autocast_enabled(device) or w.dtype != torch.float32:
-            return w
-        dtype = torch.get_autocast_dtype(device)
-        key = (id(w), torch.is_grad_enabled(), dtype)
-        hit = self._casts.get(key)
-        if hit is None or hit[0] is not w:
-            hit = self._casts[key] = (w, w.to(dtype))
-        return hit[1]
-
-    def clear(self):
-        self._casts.clear()
-
-    def __len__(self):
-        return len(self._casts)
-
-
 class GroupedExperts(nn.Module):
     """E experts with weights stacked on dim 0: `w_in_EDH` [E, D, 2F or F], `w_out_EFD` [E, F, D].
 
@@ -108,7 +78,6 @@ class GroupedExperts(nn.Module):
         self.w_out_EFD = nn.Parameter(torch.empty(num_experts, ffn_dim, dim))
         nn.init.normal_(self.w_in_EDH, std=init_std)
         nn.init.normal_(self.w_out_EFD, std=out_init_std or init_std)
-        self.casts: CastCache | None = None     # set by a training loop (see CastCache)
         # Set by parallel/checkpointing.py (train.recompute="experts"): recompute(fn, *args) runs
         # fn so that backward runs it again instead of keeping its activations.
         self.recompute: Callable | None = None
@@ -121,8 +90,6 @@ class GroupedExperts(nn.Module):
         chunk's rows travel. One call for every chunk, so module hooks (FSDP's unshard and
         reshard) see the experts called once, with the rows as their tensor input."""
         w_in, w_out = self.w_in_EDH, self.w_out_EFD
-        if self.casts is not None:
-            w_in, w_out = self.casts.get(w_in), self.casts.get(w_out)
         chunks = plan.chunks
         if len(chunks) > 1:
             sizes = [chunk.num_experts for chunk in chunks]

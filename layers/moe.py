@@ -42,6 +42,12 @@ class MoEOutput(NamedTuple):
     aux_loss: RouterLosses       # .total carries gradient; add it to your loss unless injected
     stats: RoutingStats          # detached load statistics for this call
 
+    def statistics(self) -> "MoEOutput":
+        """This output without its activation and with its losses detached: what a step keeps
+        for its statistics once the micro-batch's forward is done (nothing kept alive)."""
+        return self._replace(y=None, aux_loss=dataclasses.replace(
+            self.aux_loss, total=self.aux_loss.total.detach()))
+
 
 class _InjectAuxLoss(torch.autograd.Function):
     """Forward: a copy of y. Backward: y's gradient passes through; aux_loss gets `scale`, and

@@ -12,12 +12,13 @@ from moepar.layers import Transformer
 from moepar.parallel import Options, ParallelDims, parallelize
 from moepar.parallel.schedules import check_schedule
 
-__all__ = ["build_dims", "build_engine", "adamw_factory", "PARAM_DTYPES"]
+__all__ = ["build_dims", "build_engine", "adamw_factory", "PARAM_DTYPES", "COMPUTE_DTYPES"]
 
-# Parameters (and AdamW state) per train.dtype: bf16/fp16 runs keep fp32 masters under autocast.
+# The masters (what the optimizer steps and checkpoints hold) per train.dtype, and the compute
+# dtype of bf16/fp16 training (parallel/precision.py: the model's weights between steps).
 PARAM_DTYPES = {"float32": torch.float32, "bfloat16": torch.float32, "float16": torch.float32,
                 "float64": torch.float64}
-_AUTOCAST = {"bfloat16": torch.bfloat16, "float16": torch.float16}
+COMPUTE_DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
 def adamw_factory(cfg, fused: bool = False):
@@ -54,10 +55,12 @@ def build_dims(cfg: RunConfig, world_size: int) -> ParallelDims:
     return dims
 
 
-def build_engine(cfg: RunConfig, layout, device, num_local_micro: int, materialize: bool = True):
+def build_engine(cfg: RunConfig, layout, device, num_local_micro: int, materialize: bool = True,
+                 training: bool = True):
     """The parallel model of `cfg` on `layout` (training, `moepar eval`, the memory simulation):
     the whole model exists only as shapes (meta); `parallelize` shards it and each rank
-    allocates and draws its own (`materialize=False`: the shards stay shapes)."""
+    allocates and draws its own (`materialize=False`: the shards stay shapes). `training=False`
+    (evaluation) keeps no float32 masters under bf16: the compute weights are all there is."""
     t = cfg.train
     with torch.device("meta"):
         model = Transformer(cfg.model, cfg.router, seed=t.seed)
@@ -65,5 +68,6 @@ def build_engine(cfg: RunConfig, layout, device, num_local_micro: int, materiali
     options = Options(cfg.parallel, adamw_factory(t, fused=device.type == "cuda"),
                       num_micro=num_local_micro, vocab_size=cfg.model.vocab_size,
                       seq_len=t.seq_len, recompute=t.recompute,
-                      compute_dtype=_AUTOCAST.get(t.dtype), seed=t.seed, materialize=materialize)
+                      compute_dtype=COMPUTE_DTYPES.get(t.dtype), fp32_residual=t.fp32_residual,
+                      seed=t.seed, materialize=materialize, training=training)
     return parallelize(model, layout, options)

@@ -103,7 +103,8 @@ class TrainConfig:
     beta2: float = 0.95
     eps: float = 1e-8
     grad_clip: float = 1.0         # max global grad norm; 0 disables clipping
-    dtype: str = "float32"         # float32, bfloat16 or float16 (autocast), float64 (exact tests)
+    dtype: str = "float32"         # float32, bfloat16 or float16 (float32 masters), float64 (exact tests)
+    fp32_residual: bool = False    # bfloat16/float16: keep the residual stream float32 (autocast at matmuls)
     loss_scale: float = 0.0        # float16: initial dynamic scale (0: 2^16); else > 0: fixed scale
     activation_checkpointing: bool = False  # the older spelling of recompute = "full"
     recompute: str = "none"        # recompute in backward: none, full (blocks), attention, experts

@@ -79,7 +79,7 @@ class StepStats:
         the loss lives on the last). Loads and drops are also summed over `slice_group` (tensor
         parallel ranks each route a slice of the sequence; their losses are already the whole
         micro-batch's). Every rank calls this, MoE layers or not, in the same order."""
-        from moepar.parallel.data import all_reduce_sum
+        from moepar.parallel.grads import all_reduce_sum
         parts = [self.tokens_LE, self.dropped_L, self.assignments_L, self.losses_3]
         extra = list(extra)
         packed = [t.to(torch.float64) for t in extra]

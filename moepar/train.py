@@ -39,7 +39,6 @@ from moepar.infer.evaluate import Validation
 from moepar.launch import init_process_group, select_device
 from moepar.loss_scale import LossScaler
 from moepar.metrics import MetricsWriter, StepStats
-from moepar.parallel.handle import local_tensor
 from moepar.plan.memory import param_count
 from moepar.progress import Progress, params_text
 from moepar.rundir import (DivergenceReplay, RunDirError, RunLock, config_changes,
@@ -280,7 +279,7 @@ class Trainer:
             self.skipped_in_row = 0
             engine.optimizer_step(lr, stats)
             engine.zero_grad()
-            self._params_check = self._local_params_norm()
+            self._params_check = engine.parameters_norm()
         elapsed = time.perf_counter() - start
         tokens = tcfg.global_batch_size * tcfg.seq_len
         record = {"step": self.step, "loss": loss, **stats.summary(), "grad_norm": grad_norm,
@@ -289,12 +288,6 @@ class Trainer:
         return record
 
     stop_agreed = False
-
-    def _local_params_norm(self) -> torch.Tensor:
-        """The norm of this rank's parameter shards, left on the device: non-finite exactly when
-        one of them is (one read of the parameters, no sync)."""
-        from torch.nn.utils import get_total_norm
-        return get_total_norm([local_tensor(p.detach()) for p in self.model.parameters()])
 
     def _step_flags(self, params_norm=None) -> torch.Tensor:
         """[parameters non-finite after the last update, SIGTERM seen], 0 or 1 each, the MAX over
@@ -321,7 +314,7 @@ class Trainer:
     def check_parameters(self):
         """Raises NonFiniteError on every rank if any rank's parameters are non-finite now (a
         collective and a host sync: before saves, not per step)."""
-        bad, _ = self._step_flags(self._local_params_norm()).tolist()
+        bad, _ = self._step_flags(self.engine.parameters_norm()).tolist()
         if bad:
             raise NonFiniteError(self._diverged(f"parameters are non-finite at step {self.step}"))
 

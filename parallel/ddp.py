@@ -22,13 +22,16 @@ divisor. ZeRO stages 1 and 2 (zero.py) reuse the buckets and the launch order wi
 reduce-scatters instead.
 
 `reduce_dtype` (parallel.grad_reduce_dtype) sends gradients in bfloat16 and converts the sums
-back; accumulation over micro-batches stays in the parameters' dtype.
+back; accumulation over micro-batches stays in the parameters' dtype. Under bf16 training the
+buckets hold the float32 masters' gradients (precision.py): a model parameter's gradient is
+added into its master's view of the flat buffer by the masters' hook, which then says it is ready.
 """
 
 import torch
 import torch.distributed as dist
 
-from .data import split_parameters
+from .grads import split_parameters
+from .precision import Masters
 
 __all__ = ["OverlappedReducer", "ALIGN", "align"]
 
@@ -58,8 +61,9 @@ class OverlappedReducer:
     reduce_every_micro = False
 
     def __init__(self, model, meshes, dims, bucket_mb: float = 25.0, reduce_dtype=None,
-                 split_decay: bool = False, grad_views: bool = True):
+                 split_decay: bool = False, grad_views: bool = True, masters: Masters | None = None):
         self.meshes, self.scale, self.reduce_dtype = meshes, 1.0 / dims.dp, reduce_dtype
+        self.masters = masters = masters or Masters(model)
         _, experts = split_parameters(model)
         in_expert = {id(p) for p in experts}
         limit = bucket_mb * 2 ** 20
@@ -70,8 +74,9 @@ class OverlappedReducer:
             axis, decay = key
             self.buckets.append(_Bucket(current, axis, meshes.group(axis), decay))
 
-        for p in reversed([p for p in model.parameters() if p.requires_grad]):
-            p_key = ("edp" if id(p) in in_expert else "dp", split_decay and p.dim() >= 2)
+        for q in reversed([q for q in model.parameters() if q.requires_grad]):
+            p = masters.master(q)     # what is reduced and stepped (q itself without masters)
+            p_key = ("edp" if id(q) in in_expert else "dp", split_decay and p.dim() >= 2)
             nbytes = p.numel() * p.element_size()
             if current and (p_key != key or size + nbytes > limit):
                 close()
@@ -83,8 +88,12 @@ class OverlappedReducer:
         self.bucket_of = {id(p): b for b in self.buckets for p in b.params}
         self.grad_views = grad_views
         self.armed, self.next_launch = False, 0
+        # A parameter says its gradient is final itself; a master through the masters' hook on
+        # its compute parameter, once that gradient has been added into it.
+        mastered = {id(m) for _, m in masters.pairs}
         self.hooks = [p.register_post_accumulate_grad_hook(self._on_grad)
-                      for b in self.buckets for p in b.params]
+                      for b in self.buckets for p in b.params if id(p) not in mastered]
+        self.hooks += masters.grad_hooks(self._on_grad)
 
     # -- the training step's view -----------------------------------------------------------
     def _reduces(self, last: bool, step_final: bool | None) -> bool:
@@ -100,11 +109,12 @@ class OverlappedReducer:
             self.finish()
 
     # Where each gradient lives after the sync, and the axes its storage is sharded over
-    # (data.grad_norm_groups adds ep, tp and pp).
+    # (grads.grad_norm_groups adds ep, tp and pp).
     dense_axes, expert_axes = (), ()
 
     def grad_view(self, p):
-        return p.grad
+        """Where model parameter p's gradient lives after the sync (its master's)."""
+        return self.masters.master(p).grad
 
     # -- overlap machinery --------------------------------------------------------------------
     def arm(self):

@@ -40,8 +40,9 @@ import torch.distributed as dist
 
 from moepar.layers.balance import BalanceStep, MicroBalance
 
-from .data import all_reduce_sum
-from .schedules import FORWARD_ONLY, Action, Event, _statistics_only, default_loss, timetable
+from .grads import all_reduce_sum
+from .loss import cross_entropy
+from .schedules import FORWARD_ONLY, Action, Event, timetable
 
 __all__ = ["PipelineRunner", "step_balance"]
 
@@ -98,21 +99,18 @@ class PipelineRunner:
     `balance_group`: the dp ranks of this stage (global balance scope).
     """
 
-    def __init__(self, stage, pp_group, schedule: str, num_micro: int, loss_fn=default_loss,
-                 autocast=contextlib.nullcontext, wire_dtype: torch.dtype | None = None,
+    def __init__(self, stage, num_micro: int, loss_fn=cross_entropy, *, pp_group=None,
+                 schedule: str = "1f1b", autocast=contextlib.nullcontext,
+                 act_dtype: torch.dtype | None = None, wire_dtype: torch.dtype | None = None,
                  balance_group=None):
         self.stage, self.group, self.num_micro, self.loss_fn = stage, pp_group, num_micro, loss_fn
-        # Around the whole step, and each backward (ParallelModel.step_scope: one weight cast
-        # per step, shared by the micro-batches in flight); parallelize sets them.
-        self.step_scope = self.backward_scope = contextlib.nullcontext
         self.balance_group, self.balance_values = balance_group, []
         cfg, E = stage.router_cfg, stage.cfg.num_experts
         # all_layers: sizes of the sums sent with hidden states and of the coefficient sent back.
         self.balance_sizes = {"acts": 2 * E + 1, "grads": E} if (
             cfg.deferred_balance and cfg.balance_loss == "all_layers") else None
-        # Entered around each forward and its loss; backward must not run under autocast (it
-        # would recompute fp32 regions such as the router's backward in the autocast dtype),
-        # hence backward_scope inside step_scope's region.
+        # Entered around each forward and its loss; never around backward (it would recompute
+        # float32 regions such as the router's backward in the autocast dtype).
         self.autocast = autocast
         pp = 1 if pp_group is None else dist.get_world_size(pp_group)
         self.virtual = virtual = stage.num_chunks
@@ -127,8 +125,9 @@ class PipelineRunner:
         self.grid = timetable(schedule, pp, virtual, num_micro)
         self.order = [a for a in self.grid[self.me] if a is not None]
         self._forward_grid = None
-        # Hidden states travel in the residual stream's dtype (the parameters'), or narrower.
-        self.act_dtype = next(stage.parameters()).dtype
+        # Hidden states arrive in the residual stream's dtype (default: the parameters'), and
+        # travel in it or narrower.
+        self.act_dtype = act_dtype or next(stage.parameters()).dtype
         self.wire_dtype = wire_dtype or self.act_dtype
         self.loss_scale = 1.0
         stage.set_aux_loss_scale(1.0 / num_micro)
@@ -199,7 +198,7 @@ class PipelineRunner:
         keep, works = [], []   # tensors being sent (alive until their send completes), sends
         self.step_start = time.perf_counter()
         self.clock.begin()
-        with torch.no_grad() if forward_only else contextlib.nullcontext(), self.step_scope():
+        with torch.no_grad() if forward_only else contextlib.nullcontext():
             for step in range(len(grid[0])):
                 ops, recvs = [], []
                 action = grid[self.me][step]
@@ -306,7 +305,7 @@ class PipelineRunner:
             if c == self.num_chunks - 1:
                 loss = self.loss_fn(out, state["targets"][n].to(out.device, non_blocking=True))
         # Keep only what statistics need: `y` and the injected loss hold activations and graph.
-        state["moe"].setdefault(n, {})[c // self.pp] = [_statistics_only(o) for o in moe_outputs]
+        state["moe"].setdefault(n, {})[c // self.pp] = [o.statistics() for o in moe_outputs]
         sums = None if holder is None else self._finish_balance(action, holder)
         if c == self.num_chunks - 1:
             state["loss_sum"] += loss.detach().to(torch.float64)
@@ -349,11 +348,10 @@ class PipelineRunner:
     def _backward(self, action: Action):
         state, (c, n) = self._state, action[1:]
         x, out = state["saved"].pop((c, n))
-        with self.backward_scope():
-            if c == self.num_chunks - 1:
-                out.backward()
-            else:
-                torch.autograd.backward(out, state["grads"].pop((c, n)))
+        if c == self.num_chunks - 1:
+            out.backward()
+        else:
+            torch.autograd.backward(out, state["grads"].pop((c, n)))
         del out
         if c == 0:
             return None

@@ -30,14 +30,11 @@ intervals (the measured bubble), the number of micro-batches alive, and a point 
 data-parallel reducer. The schedules are a few dozen lines; writing them keeps all of that plain.
 """
 
-import dataclasses
 from typing import NamedTuple
 
-import torch
-import torch.nn.functional as F
 
 __all__ = ["SCHEDULES", "Action", "Event", "check_schedule", "rank_order", "timetable",
-           "peak_in_flight", "ideal_bubble", "measured_bubble", "default_loss", "FORWARD_ONLY"]
+           "peak_in_flight", "ideal_bubble", "measured_bubble", "FORWARD_ONLY"]
 
 SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b")
 FORWARD_ONLY = "forward"   # evaluation: every micro-batch through every chunk, no backward
@@ -155,15 +152,3 @@ def measured_bubble(events: list[Event], start: float, end: float) -> float:
     """1 - (time inside actions) / (wall time of the step) on one rank."""
     busy = sum(e.end - e.start for e in events)
     return 1.0 - busy / (end - start) if end > start else 0.0
-
-
-def default_loss(logits_BSV, targets_BS):
-    """Mean cross-entropy, in float32 or wider whatever the logits' dtype (as the trainer)."""
-    logits_BSV = logits_BSV.to(torch.promote_types(logits_BSV.dtype, torch.float32))
-    return F.cross_entropy(logits_BSV.flatten(0, 1), targets_BS.flatten())
-
-
-def _statistics_only(out):
-    """A MoEOutput without its activation and with its losses detached (nothing kept alive)."""
-    losses = dataclasses.replace(out.aux_loss, total=out.aux_loss.total.detach())
-    return out._replace(y=None, aux_loss=losses)

@@ -54,7 +54,7 @@ from moepar.layers.mla import MLA
 from moepar.layers.model import Attention, Transformer
 
 from .comm import all_gather_rows, group_size, reduce_scatter_rows, to_wire
-from .data import all_reduce_sum
+from .grads import all_reduce_sum
 from .sequence_router import use_token_group
 from .vocab import VocabParallelEmbedding, padded_vocab_size
 
@@ -414,7 +414,7 @@ def tp_norm_parameters(model, group):
     `sharded` over tp (a piece held by several ranks is listed on the first of them only), count
     `replicated` once (equal on every tp rank after reduce_sequence_parallel_grads), and clip but
     do not count the other holders' copies of a shared piece. Routed experts are in none of the
-    lists (data.py's expert group covers them)."""
+    lists (grads.py's expert group covers them)."""
     tp_rank = dist.get_rank(group) if group_size(group) > 1 else 0
     sharded, replicated = _split(model)
     first = [p for p, spec in sharded if tp_rank % spec.replicas == 0]

@@ -46,9 +46,10 @@ __all__ = ["ZeroReducer", "ShardedAdamW", "FullyShardedSync"]
 class ZeroReducer(OverlappedReducer):
     IN_FLIGHT = 2      # stage 2: reduce-scatters in flight before the oldest is waited and freed
 
-    def __init__(self, model, meshes, dims, stage: int, bucket_mb: float = 25.0, reduce_dtype=None):
+    def __init__(self, model, meshes, dims, stage: int, bucket_mb: float = 25.0, reduce_dtype=None,
+                 masters=None):
         super().__init__(model, meshes, dims, bucket_mb, reduce_dtype, split_decay=True,
-                         grad_views=False)
+                         grad_views=False, masters=masters)
         if stage not in (1, 2):
             raise ValueError(f"ZeroReducer is for parallel.zero=1 or 2, not {stage}")
         self.stage, self.reduce_every_micro = stage, stage == 2
@@ -99,7 +100,9 @@ class ZeroReducer(OverlappedReducer):
     dense_axes, expert_axes = ("dp",), ("edp",)
 
     def grad_view(self, p):
-        """The part of p's gradient in this rank's shard (possibly empty), or None."""
+        """The part of model parameter p's gradient in this rank's shard (possibly empty), or
+        None."""
+        p = self.masters.master(p)
         b = self.bucket_of[id(p)]
         if b.shard.grad is None:
             return None
@@ -177,7 +180,8 @@ def _torch_version() -> tuple[int, int]:
 class FullyShardedSync:
     """zero=3: FSDP2 over two meshes; the training step's side of it."""
 
-    def __init__(self, model, meshes, dims, reduce_dtype=None, compute_dtype=None):
+    def __init__(self, model, meshes, dims, reduce_dtype=None, compute_dtype=None,
+                 fp32_residual: bool = False):
         from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
         from torch.distributed.tensor import Shard
         if not hasattr(FSDPModule, "set_force_sum_reduction_for_comms"):
@@ -190,10 +194,11 @@ class FullyShardedSync:
                              f"(FSDP2 mixed precision fails in backward before); this is torch "
                              f"{torch.__version__}. Use parallel.zero=2 or upgrade")
         self.model = model
-        # Under bf16 the weights are gathered in bf16 (half the bytes, and no full-size autocast
-        # copy saved for backward); gradients are reduced in float32 unless a wire dtype is set.
-        # Inputs keep their dtype (the residual stream stays float32, as without ZeRO-3); routers
-        # and the root stay float32 (see below).
+        # Under bf16 the weights are gathered in bf16 (half the bytes: these are the compute
+        # weights, precision.py); gradients are reduced in float32 unless a wire dtype is set.
+        # Inputs keep their dtype; routers stay float32 (routing maths is), and so does the root
+        # (embedding, final norm, head) under train.fp32_residual (the embedding then starts a
+        # float32 residual stream).
         reduce_dtype = reduce_dtype or (torch.float32 if compute_dtype is not None else None)
         policy = MixedPrecisionPolicy(param_dtype=compute_dtype, reduce_dtype=reduce_dtype,
                                       cast_forward_inputs=False)
@@ -217,9 +222,7 @@ class FullyShardedSync:
                 if compute_dtype is not None:
                     fully_shard(block.ffn.router, mesh=dp_mesh, mp_policy=fp32_policy)
             fully_shard(block, mesh=dp_mesh, mp_policy=policy, shard_placement_fn=placement(dp_mesh))
-        # The root (embedding, final norm, head) stays float32: the embedding starts the float32
-        # residual stream (and pipeline stages exchange it in the parameters' dtype).
-        fully_shard(model, mesh=dp_mesh, mp_policy=fp32_policy,
+        fully_shard(model, mesh=dp_mesh, mp_policy=fp32_policy if fp32_residual else policy,
                     shard_placement_fn=placement(dp_mesh))
         for m in model.modules():
             if isinstance(m, FSDPModule):

@@ -29,7 +29,7 @@ import tempfile
 import torch
 import torch.distributed as dist
 
-from moepar.parallel.data import split_parameters
+from moepar.parallel.grads import split_parameters
 
 __all__ = ["measure", "formula", "worker_main"]
 

@@ -24,10 +24,15 @@ def default_ranks(dims) -> list[int]:
 
 
 def _rank_bytes(engine, zero: int) -> dict:
-    from moepar.parallel.handle import local_tensor
+    """Bytes of this rank's masters (what the optimizer steps), gradients and AdamW state, and
+    of the compute copies bf16 training keeps beside the masters (0 otherwise)."""
+    from moepar.parallel.placement import local_tensor
     params = list(engine.model.parameters())
-    elem = params[0].element_size()
-    local = sum(local_tensor(p).numel() for p in params)
+    masters = engine.masters.masters(params)
+    elem = masters[0].element_size()
+    local = sum(local_tensor(m).numel() for m in masters)
+    compute = sum(local_tensor(p).numel() * p.element_size()
+                  for p, m in zip(params, masters, strict=True) if p is not m)
     sync = engine.sync
     if zero in (1, 2):
         shards = sum(b.shard.numel() for b in sync.buckets)
@@ -35,8 +40,8 @@ def _rank_bytes(engine, zero: int) -> dict:
         stepped = shards
     else:
         grads = stepped = local
-    return {"params": elem * local, "grads": elem * grads, "optimizer": 2 * elem * stepped,
-            "buckets": len(getattr(sync, "buckets", []))}
+    return {"params": elem * local, "compute_weights": compute, "grads": elem * grads,
+            "optimizer": 2 * elem * stepped, "buckets": len(getattr(sync, "buckets", []))}
 
 
 def simulate(cfg, world: int, ranks: list[int] | None = None) -> dict:

@@ -182,20 +182,18 @@ def _apply_reads(ckpt: _Checkpoint, reads):
 
 
 def _local_engine(model):
-    """A whole (unsharded) Transformer seen as a one-process handle, for loading into it."""
+    """Where a whole (unsharded) Transformer's tensors sit, for loading into it."""
     from moepar.layers.init import canonical_tensors
     from moepar.parallel.dims import Layout, ParallelDims
-    from moepar.parallel.handle import ParallelModel
+    from moepar.parallel.placement import Placement
     device = next(model.parameters()).device
-    layout = Layout(ParallelDims(1), 0, device, None)
-    return ParallelModel(model, layout, canonical_tensors(model),
-                         [b.layer_id for b in model.layers if b.is_moe], 0, None, 1,
-                         model.cfg.vocab_size)
+    return Placement(model, Layout(ParallelDims(1), 0, device, None), canonical_tensors(model))
 
 
 def load_checkpoint(path: str, target, optimizer: bool = False, restore_rng: bool = True) -> dict:
     """Restores the model (and AdamW state, RNG) of `target` (a ParallelModel, or a whole
-    Transformer) in place after verifying; returns state.json's dict.
+    Transformer) in place after verifying; returns state.json's dict. Under bf16 training the
+    float32 masters are read, and the compute weights written from them.
 
     Every rank reads and verifies only what its shards need; all verdicts are gathered before
     anything changes, so either all ranks load or all raise the same CheckpointError."""
@@ -231,6 +229,7 @@ def load_checkpoint(path: str, target, optimizer: bool = False, restore_rng: boo
     _apply_reads(ckpt, model_reads + optim_reads)
     for tensor, value in steps:
         tensor.fill_(value)
+    engine.loaded()       # the compute weights follow the masters just read
     if rng_states is not None:
         torch.set_rng_state(rng_states["torch_cpu"])
         if "torch_cuda" in rng_states and torch.cuda.is_available():

@@ -4,8 +4,9 @@ the planner's activation memory, with the four recompute modes.
 Legend: T tokens of a micro-batch (mbs * S), t = T/tp (sequence-parallel slice), D model dim,
 Hl/Gl query/kv heads per tp rank, d head dim, Fl dense hidden per tp rank, Fe expert hidden,
 Fs shared hidden, E experts, K top-k, R rows this rank's experts receive, Ns rows it sends,
-V (Vl per tp rank) vocabulary; r bytes of the residual stream (the parameters' dtype), a bytes of
-the compute dtype (2 under bfloat16 autocast, else r).
+V (Vl per tp rank) vocabulary; r bytes of the residual stream (the compute dtype under bf16
+training, float32 with train.fp32_residual), a bytes of the compute dtype (2 under bfloat16),
+f bytes of the float32-or-wider maths (router, losses), p bytes of a master parameter.
 
 | piece (one layer)    | saved                                                                     |
 |----------------------|---------------------------------------------------------------------------|
@@ -24,9 +25,8 @@ the compute dtype (2 under bfloat16 autocast, else r).
 |                      | un-sorted expert outputs t*K*D and weights t*K (fp32)                     |
 | experts (rows R)     | R*(D + 2Fe + Fe + Fe) in the compute dtype                                |
 | shared experts       | like a dense FFN on t tokens (+ its input cast and gate under autocast)   |
-| bf16 weight copies   | autocast casts every matmul weight in each forward and the micro-batch    |
-|                      | keeps them (footprint.py: shared once per step by a rank with several in  |
-|                      | flight and no recompute); not under ZeRO-3 (FSDP gathers bf16 weights)    |
+| compute weights      | not here: bf16 training keeps them between steps (parallel/precision.py), |
+|                      | counted with the parameters (memory.py); nothing casts a weight per step  |
 | embedding / head     | token ids; final norm, head input, fp32 log-softmax T*Vl (and targets)    |
 
 Recompute: "full" keeps each block's input only (t*D*r); "attention" keeps the attention
@@ -57,22 +57,29 @@ class ActSpec:
     row_factor: float = 1.0          # rows received by the busiest EP rank / (t*K): rows_per_rank
     peak_row_factor: float | None = None  # the same in the busiest layer (default: row_factor)
     kernels: str = "cuda"            # "cuda" or "cpu": which norm and attention kernels run
+    fp32_residual: bool = False      # train.fp32_residual
 
     @property
-    def r(self) -> int:              # residual stream, norms, router: the parameters' dtype
+    def p(self) -> int:              # a master parameter, its gradient and AdamW moment
         return 8 if self.dtype == "float64" else 4
 
     @property
-    def a(self) -> int:              # matmul inputs and outputs
-        return 2 if self.dtype == "bfloat16" else self.r
+    def f(self) -> int:              # float32-or-wider maths: router scores, losses
+        return self.p
 
     @property
-    def autocast(self) -> bool:
-        return self.dtype == "bfloat16"
+    def a(self) -> int:              # matmul inputs and outputs: the compute dtype
+        return 2 if self.dtype in ("bfloat16", "float16") else self.p
 
     @property
-    def weight_copies(self) -> bool:
-        return self.autocast and self.zero < 3
+    def r(self) -> int:              # the residual stream and the norms' inputs
+        return self.p if self.fp32_residual else self.a
+
+    @property
+    def autocast(self) -> bool:      # only under fp32_residual: float32 activations at matmuls
+        return self.a < self.p and self.fp32_residual
+
+    weight_copies = False            # compute weights are kept between steps, not cast
 
     @property
     def tokens(self) -> int:         # T
@@ -95,9 +102,12 @@ def rows_per_rank(ep: int, top_k: int, capacity_factor: float | None, imbalance:
 
 
 def _norm(n: float, width: int, s: ActSpec) -> float:
-    """RMSNorm over `width` features of n tokens: input and rstd (CUDA's fused kernel), plus the
-    normalized input (CPU's composite form)."""
-    return n * (width * (2 if s.kernels == "cpu" else 1) + 1) * s.r
+    """RMSNorm over `width` features of n tokens: the input (residual dtype) and rstd (float32)
+    with CUDA's fused kernel; CPU's composite form computes in float32 and keeps the widened
+    input and the normalized one."""
+    if s.kernels == "cpu":
+        return n * (2 * width + 1) * s.f
+    return n * (width * s.r + s.f)
 
 
 def _proj_input(s: ActSpec, consumers: int, D: int) -> float:
@@ -150,7 +160,7 @@ def _ffn(T: float, Fl: int, D: int, activation: str, s: ActSpec) -> float:
 
 
 def _router(cfg, router, s: ActSpec) -> float:
-    t, E, K, r = s.local_tokens, cfg.num_experts, cfg.top_k, s.r
+    t, E, K, r = s.local_tokens, cfg.num_experts, cfg.top_k, s.f
     out = t * (2 * E + 1) * r + t * K * 8          # scores; logits + lse (z-loss); top-k ids
     if router.norm_topk_prob:
         out += t * (K + 1) * r
@@ -246,5 +256,5 @@ def head_bytes(cfg, s: ActSpec) -> dict:
     D, T = cfg.dim, s.tokens
     Vl = -(-cfg.vocab_size // s.tp)
     saved = _norm(s.local_tokens, D, s) + _proj_input(s, 1, D)
-    saved += T * Vl * max(s.r, 4) + T * 8                          # fp32 log-softmax; targets
+    saved += T * Vl * s.f + T * 8                                  # fp32 log-softmax; targets
     return {"saved": saved, "weights": Vl * D * s.a if s.weight_copies else 0.0}

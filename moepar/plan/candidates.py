@@ -195,9 +195,12 @@ class _Context:
         self.groups = functools.lru_cache(maxsize=None)(self._groups)
         self.flops = model_flops_per_token(self.model, req.seq_len)
 
-    def _static(self, dims, pp_rank: int, zero: int, r: int, virtual: int) -> dict:
+    def _static(self, dims, pp_rank: int, zero: int, r: int, virtual: int,
+                compute: int = 0) -> dict:
+        """rank_memory of the stage's first rank: `r` bytes per master, `compute` per bf16
+        compute weight (0: none)."""
         if zero in (1, 2):          # the same element counts as ZeRO-0, sharded by formula
-            out = dict(self.static(dims, pp_rank, 0, r, virtual))
+            out = dict(self.static(dims, pp_rank, 0, r, virtual, compute))
             dense, expert = out["dense_params"], out["expert_params"]
             shard = r * (dense / dims.dp + expert / dims.edp)
             out.update(grads=shard if zero == 2 else out["grads"], optimizer=2 * shard)
@@ -205,7 +208,7 @@ class _Context:
         if dims.tp not in self.shapes:
             self.shapes[dims.tp] = tensor_shapes(self.model, tp=dims.tp)
         return rank_memory(self.model, dims, pp_rank * dims.dp * dims.tp, zero, r, virtual,
-                           shapes=self.shapes[dims.tp])
+                           shapes=self.shapes[dims.tp], compute_bytes=compute)
 
     def evaluate(self, cfg, dims, layout: Layout) -> Plan:
         req, model, gpu = self.req, cfg.model, self.req.gpu
@@ -224,7 +227,8 @@ class _Context:
                 cfg, dims, r * dims.dp * dims.tp, spec, num_micro=num_micro,
                 schedule=layout.schedule, virtual=layout.virtual, wire_bytes=wire,
                 overhead_bytes=overhead, cache=self.layer_cache,
-                static=self.static(dims, r, layout.zero, spec.r, layout.virtual))
+                static=self.static(dims, r, layout.zero, spec.p, layout.virtual,
+                                   spec.a if spec.a < spec.p else 0))
             if memory is None or footprint["total"] > memory["total"]:
                 memory, binding = footprint, r
             if memory["total"] > budget:
@@ -233,7 +237,7 @@ class _Context:
                             f"out of memory: {memory['total'] / 2 ** 30:.1f} GiB per GPU on pp "
                             f"rank {binding} > {budget / 2 ** 30:.1f} GiB")
         time = step_seconds(cfg, spec, gpu, self._stages(dims, layout, spec),
-                            self.links(dims), num_micro, wire or spec.r)
+                            self.links(dims), num_micro, wire or spec.p)
         tokens = t.global_batch_size * req.seq_len
         step = time["step"]
         plan = Plan(layout, num_micro, memory, binding, time, tokens / step / req.world,
@@ -263,9 +267,9 @@ class _Context:
         """(stage, pipeline ranks it stands for) for steptime."""
         out = []
         for r, n, kinds in self.groups(dims.pp, layout.virtual):
-            s = self.static(dims, r, layout.zero, spec.r, layout.virtual)
+            s = self.static(dims, r, layout.zero, spec.p, layout.virtual)
             stage = {**kinds, "virtual": layout.virtual, "dense_params": s["dense_params"],
-                     "expert_params": s["expert_params"], "stepped": s["optimizer"] / (2 * spec.r)}
+                     "expert_params": s["expert_params"], "stepped": s["optimizer"] / (2 * spec.p)}
             out.append((stage, n))
         return out
 

@@ -80,7 +80,8 @@ def rank_footprint(cfg, dims, rank: int, spec: ActSpec, *, num_micro: int, sched
     model, router = cfg.model, cfg.router
     coords = dims.coords(rank)
     if static is None:
-        static = rank_memory(model, dims, rank, spec.zero, spec.r, virtual, pp_layers)
+        static = rank_memory(model, dims, rank, spec.zero, spec.p, virtual, pp_layers,
+                             compute_bytes=spec.a if spec.a < spec.p else 0)
     layers, first, last = stage_layers(model.num_layers, dims.pp, coords.pp, virtual, pp_layers)
     kinds = _kinds(model, layers)
     cache = {} if cache is None else cache
@@ -101,14 +102,10 @@ def rank_footprint(cfg, dims, rank: int, spec: ActSpec, *, num_micro: int, sched
     t_bytes = spec.local_tokens * model.dim * spec.r           # one hidden state slice
     activations = alive * share * sums["saved"] + head_alive * head["saved"]
     activations += (alive if first else 0) * embed_bytes(model, spec)
-    # bf16 weight copies: a rank with several micro-batches in flight and no recompute casts
-    # once per step and they share the copy (parallel/__init__.py, handle.py step_scope);
-    # otherwise each micro-batch in flight keeps its own (recompute: only outside its regions)
-    shared = alive > 1 and spec.recompute == "none"
-    activations += (sums["weights"] + head["weights"] if shared else
-                    alive * share * sums["weights"] + head_alive * head["weights"])
     out = dict.fromkeys(ITEMS, 0.0)
-    out.update(params=static["params"], grads=static["grads"], optimizer=static["optimizer"],
+    # (bf16 training: the float32 masters and the bf16 compute weights kept beside them)
+    out.update(params=static["params"] + static.get("compute_weights", 0.0),
+               grads=static["grads"], optimizer=static["optimizer"],
                activations=activations, moe_dispatch=alive * share * sums["rows"],
                overhead=overhead_bytes)
     # Backward runs the loss first, then one layer at a time (rebuilding its region under
@@ -117,9 +114,8 @@ def rank_footprint(cfg, dims, rank: int, spec: ActSpec, *, num_micro: int, sched
     grad = max((v["grad"] for v in per_kind.values()), default=0.0)
     held = 0.0      # the local loop drops the logits before backward, as the pipeline does
     loss = _loss_working_set(model, spec, dims.pp) if last else 0.0
-    # The micro-batch being backwarded has freed its loss and head by the time its layers run
-    # (the head's weight copy too, unless it is shared for the step).
-    head_one = head["saved"] + (0.0 if shared else head["weights"])
+    # The micro-batch being backwarded has freed its loss and head by the time its layers run.
+    head_one = head["saved"]
     layer_phase = region + grad + (held if region else 0.0) - head_one
     working = max(loss, layer_phase)
     out["recompute"] = min(region, working)
@@ -131,7 +127,7 @@ def rank_footprint(cfg, dims, rank: int, spec: ActSpec, *, num_micro: int, sched
     if dims.pp > 1:
         out["comm_buffers"] += (alive * share + 2) * t_bytes      # stage outputs, receives
     if spec.zero == 3 and num_micro > 1:   # unsharded until the last micro-batch's reduce
-        out["grad_accum"] = elements * spec.r - static["grads"]
+        out["grad_accum"] = elements * spec.p - static["grads"]
     if dims.world_size > 1:
         # Flat gradient copies (ZeRO-2, or a reduced-precision wire) pile up during the step's
         # last backward while its activations are freed; what stays to the end is the first
@@ -142,11 +138,11 @@ def rank_footprint(cfg, dims, rank: int, spec: ActSpec, *, num_micro: int, sched
         window = 0
         if spec.zero == 2:   # the most buckets' flat copies alive at once (parallel/zero.py)
             bucket_mb = getattr(getattr(cfg, "parallel", None), "bucket_mb", 25.0)
-            sizes = bucket_sizes(model, dims, rank, bucket_mb * 2 ** 20, spec.r, virtual,
+            sizes = bucket_sizes(model, dims, rank, bucket_mb * 2 ** 20, spec.p, virtual,
                                  pp_layers)
             k = ZeroReducer.IN_FLIGHT + 1
             window = max((sum(sizes[i:i + k]) for i in range(len(sizes))), default=0)
-        flats, gathered = _sync_buffers(spec, elements, wire_bytes or spec.r, len(layers),
+        flats, gathered = _sync_buffers(spec, elements, wire_bytes or spec.p, len(layers),
                                         window)
         # (interleaved: the step's last backward covers one chunk; the others' buckets are
         # flattened after it, when no layer is being rebuilt)
@@ -164,7 +160,7 @@ def _sync_buffers(spec: ActSpec, elements: int, wire: int, num_layers: int,
     if spec.zero == 2:
         return window * wire, 0.0
     if spec.zero in (0, 1):        # the flat gradient buffers are the gradients (cast if wired)
-        return (elements * wire if wire != spec.r else 0.0), 0.0
+        return (elements * wire if wire != spec.p else 0.0), 0.0
     # ZeRO-3: the gathered parameters of the running block and the prefetched next one
     return 0.0, 2 * elements / max(num_layers, 1) * spec.a
 
@@ -174,5 +170,5 @@ def _loss_working_set(model, spec: ActSpec, pp: int) -> float:
     logits (one with the vocabulary-parallel loss), and the cast back under autocast."""
     Vl = -(-model.vocab_size // spec.tp)
     grads = 2 if spec.tp == 1 else 1
-    width = grads * max(spec.r, 4) + (spec.a if spec.autocast else 0)
+    width = grads * spec.f + (spec.a if spec.a < spec.f else 0)
     return spec.tokens * Vl * width

@@ -21,8 +21,9 @@ edp (experts) for ZeRO.
 | embedding, head, norm      | V*D, V*D (unless tied), D              | embedding/head: Vp/tp rows |
 
 Per rank: the layers of its pipeline chunks (embedding with chunk 0, norm and head with the
-last). Bytes: parameters P = 4 (8 for float64; bfloat16 training keeps float32 parameters),
-gradients the same, AdamW state 2P. ZeRO shards over N ranks: 1 the optimizer state, 2 also
+last). Bytes: parameters P = 4 (8 for float64; bfloat16 training keeps float32 masters, and
+beside them, under ZeRO 0-2, a bf16 copy of every weight but the routers': the compute weights,
+parallel/precision.py), gradients the same, AdamW state 2P. ZeRO shards over N ranks: 1 the optimizer state, 2 also
 gradients, 3 also parameters. Stages 1 and 2 pad each flat bucket to a multiple of N (at most
 N-1 elements per bucket, ignored here); stage 3 (FSDP2) chunks each tensor along its first
 dimension that N divides (else dim 0), in torch.chunk sizes, computed here exactly.
@@ -65,8 +66,9 @@ def _attention(cfg, tp: int) -> list[tuple[tuple, bool]]:
 
 
 def tensor_shapes(cfg, router=None, tp: int = 1) -> dict:
-    """{'root' | layer index: [(local shape, kind)]} on a tp rank; kind 'dense' or 'expert'
-    (expert shapes are whole stacks [E, ...]; EP divides them)."""
+    """{'root' | layer index: [(local shape, kind)]} on a tp rank; kind 'dense', 'router' (dense,
+    and float32 whatever the compute dtype) or 'expert' (expert shapes are whole stacks
+    [E, ...]; EP divides them)."""
     D = cfg.dim
     vocab = -(-cfg.vocab_size // tp)
     out = {"first": [((vocab, D), "dense")],
@@ -79,7 +81,7 @@ def tensor_shapes(cfg, router=None, tp: int = 1) -> dict:
         shapes += [((D,), "dense")]
         if cfg.is_moe_layer(i):
             E, Fe = cfg.num_experts, cfg.moe_ffn_dim
-            shapes += [((E, D), "dense"), ((E, D, width * Fe), "expert"), ((E, Fe, D), "expert")]
+            shapes += [((E, D), "router"), ((E, D, width * Fe), "expert"), ((E, Fe, D), "expert")]
             if cfg.num_shared_experts:
                 Fs = cfg.num_shared_experts * (cfg.shared_ffn_dim or Fe)
                 shapes += [((width * Fs, D), "dense"), ((D, Fs), "dense")]
@@ -95,7 +97,7 @@ def tensor_shapes(cfg, router=None, tp: int = 1) -> dict:
 def param_count(cfg) -> dict:
     """Whole-model parameter counts: total, dense, expert, and active per token."""
     shapes = tensor_shapes(cfg)
-    dense = sum(math.prod(s) for group in shapes.values() for s, kind in group if kind == "dense")
+    dense = sum(math.prod(s) for group in shapes.values() for s, kind in group if kind != "expert")
     expert = sum(math.prod(s) for group in shapes.values() for s, kind in group if kind == "expert")
     active = dense + (expert * cfg.top_k // cfg.num_experts if cfg.num_experts else 0)
     return {"total": dense + expert, "dense": dense, "expert": expert, "active": active}
@@ -133,7 +135,7 @@ def bucket_sizes(cfg, dims, rank: int, bucket_bytes: float, element_bytes: int =
     for shape, kind in reversed(tensors):
         if kind == "expert":
             shape = (shape[0] // dims.ep,) + shape[1:]
-        n, this = math.prod(shape), (kind, len(shape) >= 2)
+        n, this = math.prod(shape), (kind == "expert", len(shape) >= 2)
         if size and (this != key or (size + n) * element_bytes > bucket_bytes):
             sizes.append(size)
             size = 0
@@ -143,16 +145,20 @@ def bucket_sizes(cfg, dims, rank: int, bucket_bytes: float, element_bytes: int =
 
 def rank_memory(cfg, dims, rank: int, zero: int = 0, element_bytes: int = 4,
                 pp_virtual: int = 1, pp_layers: list[int] | None = None,
-                shapes: dict | None = None) -> dict:
-    """Bytes of parameters, gradients and AdamW state on `rank`, and its element counts.
-    `shapes`: tensor_shapes(cfg, tp=dims.tp), when the caller has it."""
+                shapes: dict | None = None, compute_bytes: int = 0) -> dict:
+    """Bytes of parameters (masters), gradients and AdamW state on `rank`, and its element
+    counts; `compute_weights`: the bf16 copies `compute_bytes` each (ZeRO 0-2; ZeRO-3's FSDP2
+    gathers them per block instead). `shapes`: tensor_shapes(cfg, tp=dims.tp), when the caller
+    has it."""
     coords = dims.coords(rank)
     shapes = shapes or tensor_shapes(cfg, tp=dims.tp)
     groups = _rank_groups(cfg, dims, rank, pp_virtual, pp_layers, shapes)
-    dense = expert = 0
+    dense = expert = routers = 0
     dense_shard = expert_shard = 0.0
     for group in groups:
         for shape, kind in group:
+            if kind == "router":
+                routers += math.prod(shape)
             if kind == "expert":
                 shape = (shape[0] // dims.ep,) + shape[1:]
                 n, world, index = math.prod(shape), dims.edp, coords.edp
@@ -163,7 +169,8 @@ def rank_memory(cfg, dims, rank: int, zero: int = 0, element_bytes: int = 4,
                 dense += n
                 dense_shard += _fsdp_local(shape, world, index) if zero == 3 else n / world
     full, shard = dense + expert, dense_shard + expert_shard
-    return {"dense_params": dense, "expert_params": expert,
+    compute = compute_bytes * (full - routers) if zero < 3 else 0
+    return {"dense_params": dense, "expert_params": expert, "compute_weights": compute,
             "params": element_bytes * (shard if zero == 3 else full),
             "grads": element_bytes * (shard if zero >= 2 else full),
             "optimizer": 2 * element_bytes * (shard if zero >= 1 else full)}

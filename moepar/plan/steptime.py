@@ -96,7 +96,7 @@ def _dp_seconds(spec, gpu, stage: dict, links: dict, num_micro: int, wire: int,
               (links["edp_size"], expert, _bw(gpu, links["edp"]))]
     backward = per_micro["backward"]
     reduce_ = sum(_ring(n, phi * wire, bw, 2 if spec.zero == 0 else 1) for n, phi, bw in groups)
-    gather = sum(_ring(n, phi * spec.r, bw) for n, phi, bw in groups)
+    gather = sum(_ring(n, phi * spec.p, bw) for n, phi, bw in groups)
     if spec.zero in (0, 1):
         return max(reduce_ - backward, 0.0) + (gather if spec.zero == 1 else 0.0), 0.0
     if spec.zero == 2:

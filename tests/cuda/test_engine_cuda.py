@@ -46,10 +46,12 @@ def test_training_steps_on_cuda_equal_the_cpu_steps(tmp_path, dtype, rel):
         assert math.isclose(a["grad_norm"], b["grad_norm"], rel_tol=5 * rel), (a, b)
 
 
-def test_autocast_dtype_of_each_piece(tmp_path):
-    """bfloat16 training: attention and experts compute in bf16; router scores, the residual
-    stream and the loss stay float32."""
-    trainer = Trainer(tiny_config(tmp_path, "--train.device=cuda", "--train.dtype=bfloat16"),
+@pytest.mark.parametrize("fp32_residual", [False, True])
+def test_dtype_of_each_piece(tmp_path, fp32_residual):
+    """bfloat16 training: attention and experts compute in bf16, router scores in float32; the
+    residual stream (a block's output) is bf16, or float32 with train.fp32_residual."""
+    trainer = Trainer(tiny_config(tmp_path, "--train.device=cuda", "--train.dtype=bfloat16",
+                                  f"--train.fp32_residual={str(fp32_residual).lower()}"),
                       log=quiet)
     seen = {}
 
@@ -76,8 +78,9 @@ def test_autocast_dtype_of_each_piece(tmp_path):
         record = trainer.train_step()
     finally:
         type(block.ffn.router).logits = real_logits
+    block_dtype = torch.float32 if fp32_residual else torch.bfloat16
     assert seen == {"attention": torch.bfloat16, "experts": torch.bfloat16,
-                    "router": torch.float32, "block": torch.float32}, seen
+                    "router": torch.float32, "block": block_dtype}, seen
     assert math.isfinite(record["loss"])
 
 
@@ -136,10 +139,10 @@ def test_pipeline_on_nccl_with_a_short_timeout(tmp_path):
 
 @two_gpus()
 @pytest.mark.parametrize("recompute", ["none", "full"])
-def test_bfloat16_pipeline_sharing_weight_casts_on_nccl(tmp_path, recompute):
-    """pp 2 in bf16: rank 0 (two micro-batches in flight) casts each weight once per step and
-    runs backward, and full recompute, on CUDA's autograd threads (whose autocast cache is their
-    own) with those shared casts: the losses of one GPU, to bf16 precision."""
+def test_bfloat16_pipeline_on_nccl(tmp_path, recompute):
+    """pp 2 in bf16 (rank 0 has two micro-batches in flight, computing with the step's bf16
+    weights), with and without full recompute on CUDA's autograd threads: the losses of one GPU,
+    to bf16 precision."""
     args = ["--train.dtype=bfloat16", f"--train.recompute={recompute}"]
     one = _torchrun(tmp_path / "one", 1, *args)
     two = _torchrun(tmp_path / "pp", 2, "--parallel.pp=2", *args)

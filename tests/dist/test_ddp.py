@@ -6,7 +6,7 @@ import torch.distributed as dist
 
 from configs import tiny_config
 from moepar.metrics import StepStats
-from moepar.parallel.data import reduce_gradients
+from moepar.parallel.grads import reduce_gradients
 from moepar.train import Trainer
 
 

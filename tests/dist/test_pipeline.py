@@ -16,8 +16,8 @@ from moepar.parallel.dims import ParallelDims
 from moepar.parallel.expert import apply_ep
 from moepar.parallel.pipeline import apply_pp
 from moepar.parallel.pipeline_runner import PipelineRunner
-from moepar.parallel.schedules import (default_loss, measured_bubble,
-                                       peak_in_flight, rank_order)
+from moepar.parallel.loss import cross_entropy
+from moepar.parallel.schedules import measured_bubble, peak_in_flight, rank_order
 
 
 def aux_only(logits_BSV, targets_BS):
@@ -25,7 +25,7 @@ def aux_only(logits_BSV, targets_BS):
     return 0.0 * logits_BSV.sum()
 
 
-LOSSES = {"ce": default_loss, "aux_only": aux_only}
+LOSSES = {"ce": cross_entropy, "aux_only": aux_only}
 
 
 def reference_step(model, inputs, targets, loss_fn):
@@ -35,7 +35,7 @@ def reference_step(model, inputs, targets, loss_fn):
     total, moe = 0.0, []
     for x, y in zip(inputs, targets):
         logits, outs = model(x)
-        loss = F.cross_entropy(logits.flatten(0, 1), y.flatten()) if loss_fn is default_loss \
+        loss = F.cross_entropy(logits.flatten(0, 1), y.flatten()) if loss_fn is cross_entropy \
             else loss_fn(logits, y)
         (loss / m).backward()
         total += loss.item()
@@ -57,7 +57,7 @@ def case_parity(schedule: str, pp: int, virtual: int, m: int, model_kw: dict, lo
     stage = apply_pp(full, coords.pp, pp, virtual)
     inputs, targets = token_batches(m * dims.dp)
     mine = slice(coords.dp * m, (coords.dp + 1) * m)
-    runner = PipelineRunner(stage, meshes.group("pp"), schedule, m, LOSSES[loss])
+    runner = PipelineRunner(stage, m, LOSSES[loss], pp_group=meshes.group("pp"), schedule=schedule)
     loss_sum, moe_outputs = runner.run(inputs[mine], targets[mine])
     dist.all_reduce(loss_sum, group=meshes.group("pp"))   # zero off the last stage, as the trainer
     want_sum, want_moe = reference_step(reference, inputs, targets, LOSSES[loss])

@@ -75,11 +75,12 @@ class LiveBytes(TorchDispatchMode):
 
 
 def _held(trainer) -> list:
-    """Every tensor alive between steps: parameters, gradients, buffers, optimizer state,
-    ZeRO-1/2 flat buffers."""
+    """Every tensor alive between steps: parameters (and their float32 masters under bf16),
+    gradients, buffers, optimizer state, ZeRO-1/2 flat buffers."""
     out = []
     for p in trainer.model.parameters():
-        out += [p, p.grad]
+        master = trainer.engine.masters.master(p)
+        out += [p, p.grad] + ([master, master.grad] if master is not p else [])
     out += list(trainer.model.buffers())
     inner = getattr(trainer.optimizer, "inner", trainer.optimizer)
     out += [v for s in inner.state.values() for v in s.values() if torch.is_tensor(v)]
@@ -115,10 +116,12 @@ def case_measure(run_dir: str, overrides: list[str]):
             trainer.engine.zero_grad()
     # the gradients as the optimizer step sees them (bench/memory.py's counting)
     params = list(trainer.model.parameters())
+    masters = trainer.engine.masters.masters(params)
     inner = getattr(trainer.optimizer, "inner", trainer.optimizer)
-    grads = [p.grad for p in params] + [p.grad for g in inner.param_groups for p in g["params"]]
+    grads = [p.grad for p in params + masters] + [p.grad for g in inner.param_groups
+                                                  for p in g["params"]]
     state = [v for s in inner.state.values() for v in s.values() if torch.is_tensor(v) and v.dim()]
-    static = {"params": _storage_bytes(params), "grads": _storage_bytes(grads),
+    static = {"params": _storage_bytes(params + masters), "grads": _storage_bytes(grads),
               "optimizer": _storage_bytes(state)}
     held_bytes = sum({id(_storage(t)): _storage(t).nbytes() for t in held if t is not None}.values())
     trainer.engine.zero_grad()

@@ -1,9 +1,6 @@
-"""Under bfloat16 autocast a pipeline rank that keeps several micro-batches in flight casts each
-weight once per step, shared by all of them (ParallelModel.step_scope), where each micro-batch
-used to cast and keep its own copy; a rank with one in flight keeps casting per micro-batch
-(its copies go as backward passes them). The numbers are the same bit for bit."""
-
-import contextlib
+"""Under bfloat16 training the model computes with bf16 weights written from the float32 masters
+once per optimizer step (parallel/precision.py): no micro-batch casts a parameter, forward or
+backward, whatever the layout; the optimizer step writes each mastered weight exactly once."""
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
@@ -12,8 +9,9 @@ from configs import tiny_config
 from moepar.train import Trainer
 
 
-class WeightCasts(TorchDispatchMode):
-    """Counts casts of the given parameters to bfloat16, by storage."""
+class ParameterCasts(TorchDispatchMode):
+    """Counts dtype conversions whose source shares storage with one of `params`: `_to_copy` to
+    another dtype, and `copy_` between dtypes (a refresh writing a compute weight)."""
 
     def __init__(self, params):
         super().__init__()
@@ -21,39 +19,49 @@ class WeightCasts(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        if func is torch.ops.aten._to_copy.default and kwargs.get("dtype") == torch.bfloat16 \
-                and args[0].dtype == torch.float32 and args[0].data_ptr() in self.ptrs:
+        if func is torch.ops.aten._to_copy.default and args[0].data_ptr() in self.ptrs \
+                and kwargs.get("dtype", args[0].dtype) != args[0].dtype:
+            self.count += 1
+        elif func is torch.ops.aten.copy_.default and args[1].data_ptr() in self.ptrs \
+                and args[0].dtype != args[1].dtype:
             self.count += 1
         return func(*args, **kwargs)
 
 
-def case_step(run_dir: str, micro: int, per_micro: bool):
-    """One bf16 1F1B step over pp 2 (rank 0 keeps 2 micro-batches in flight, rank 1 one):
-    (weight casts on this rank, whether it shares them, its parameters after the step)."""
-    trainer = Trainer(tiny_config(run_dir, "--train.dtype=bfloat16", "--parallel.pp=2",
-                                  "--train.micro_batch_size=2",
-                                  f"--train.global_batch_size={2 * micro}"), log=lambda _m: None)
-    runner = trainer.engine.runner
-    shared = runner.step_scope is not contextlib.nullcontext
-    if per_micro:      # what every rank did before: casts live for one micro-batch's forward
-        runner.step_scope = runner.backward_scope = contextlib.nullcontext
-        for m in trainer.model.modules():
-            if hasattr(m, "casts"):
-                m.casts = None
-    counter = WeightCasts([p for p in trainer.model.parameters() if p.dim() >= 2])
-    with counter:
-        trainer.train_step()
-    assert len(trainer.engine.casts) == 0          # dropped when the step ends
-    return counter.count, shared, [p.detach().clone() for p in trainer.model.parameters()]
+def case_step(run_dir: str, *overrides: str):
+    """(parameter casts in the step's micro-batches, casts in its optimizer step, the number of
+    weights with a master, whether every one is bf16 with a float32 master)."""
+    trainer = Trainer(tiny_config(run_dir, "--train.dtype=bfloat16", "--train.micro_batch_size=2",
+                                  "--train.global_batch_size=8", *overrides), log=lambda _m: None)
+    engine = trainer.engine
+    pairs = engine.masters.pairs
+    ok = bool(pairs) and all(p.dtype == torch.bfloat16 and m.dtype == torch.float32
+                             for p, m in pairs)
+    tracked = [p for p, _ in pairs] + [m for _, m in pairs]
+    micro, real = ParameterCasts(tracked), engine.forward_backward
+
+    def counted(*args):
+        with micro:
+            return real(*args)
+
+    engine.forward_backward = counted
+    step = ParameterCasts(tracked)
+    real_step = engine.optimizer_step
+
+    def counted_step(*args):
+        with step:
+            return real_step(*args)
+
+    engine.optimizer_step = counted_step
+    trainer.train_step()
+    return micro.count, step.count, len(pairs), ok
 
 
-def test_a_rank_with_micro_batches_in_flight_casts_each_weight_once_per_step(worlds, tmp_path):
-    one = worlds(2).run(case_step, str(tmp_path / "one"), 1, False, timeout=120)
-    four = worlds(2).run(case_step, str(tmp_path / "four"), 4, False, timeout=120)
-    before = worlds(2).run(case_step, str(tmp_path / "before"), 4, True, timeout=120)
-    (casts0, shared0, after0), (casts1, shared1, after1) = four
-    assert shared0 and not shared1
-    assert casts0 == one[0][0] > 0 and before[0][0] == 4 * casts0    # rank 0: once, was 4x
-    assert casts1 == before[1][0] == 4 * one[1][0] > 0               # rank 1: per micro-batch
-    for got, want in ((after0, before[0][2]), (after1, before[1][2])):
-        assert all(torch.equal(a, b) for a, b in zip(got, want, strict=True))
+def test_no_micro_batch_casts_a_parameter(worlds, tmp_path):
+    for name, world, overrides in (("pp2", 2, ["--parallel.pp=2"]),
+                                   ("dp2-ep2-zero1", 2, ["--parallel.ep=2", "--parallel.zero=1"])):
+        results = worlds(world).run(case_step, str(tmp_path / name), *overrides, timeout=120)
+        for micro, step, mastered, ok in results:
+            assert ok, name
+            assert micro == 0, (name, micro)
+            assert step == mastered > 0, (name, step, mastered)

@@ -175,9 +175,9 @@ def test_bfloat16_gradient_reduction_stays_close_to_float32(worlds, tmp_path, ze
     assert wire != exact, "bfloat16 on the wire should round something"
 
 
-def case_zero3_bfloat16(run_dir: str):
+def case_zero3_bfloat16(run_dir: str, *extra: str):
     trainer = Trainer(tiny_config(run_dir, "--parallel.ep=2", "--parallel.zero=3",
-                                  "--train.dtype=bfloat16", "--train.steps=3"), log=quiet)
+                                  "--train.dtype=bfloat16", "--train.steps=3", *extra), log=quiet)
     seen = {}
 
     def record(name):
@@ -196,14 +196,20 @@ def case_zero3_bfloat16(run_dir: str):
 
 @pytest.mark.skipif(tuple(map(int, torch.__version__.split("+")[0].split(".")[:2])) < (2, 12),
                     reason="ZeRO-3 with bfloat16 needs torch >= 2.12 (refused below)")
-def test_zero3_bfloat16_gathers_bf16_weights_but_keeps_router_and_embedding_float32(worlds, tmp_path):
+@pytest.mark.parametrize("fp32_residual", [False, True])
+def test_zero3_bfloat16_gathers_bf16_weights_but_keeps_the_router_float32(worlds, tmp_path,
+                                                                          fp32_residual):
     """Blocks compute from bf16 gathers (half the bytes, nothing full-size saved in float32);
-    the router maths and the residual stream stay float32; losses match one bf16 process."""
-    single = Trainer(tiny_config(tmp_path / "one", "--train.dtype=bfloat16", "--train.steps=3"),
-                     log=quiet)
+    the router maths stays float32; the embedding (and so the residual stream) is bf16 unless
+    train.fp32_residual keeps it float32; losses match one bf16 process."""
+    extra = ["--train.fp32_residual=true"] if fp32_residual else []
+    single = Trainer(tiny_config(tmp_path / "one", "--train.dtype=bfloat16", "--train.steps=3",
+                                 *extra), log=quiet)
     want = [r["loss"] for r in single.run()]
-    dtypes, losses = worlds(2).run(case_zero3_bfloat16, str(tmp_path / "z3"), timeout=120)[0]
+    dtypes, losses = worlds(2).run(case_zero3_bfloat16, str(tmp_path / "z3"), *extra,
+                                   timeout=120)[0]
+    embedding = "torch.float32" if fp32_residual else "torch.bfloat16"
     assert dtypes == {"attention": "torch.bfloat16", "router": "torch.float32",
-                      "embedding": "torch.float32"}
+                      "embedding": embedding}
     for got, ref in zip(losses, want):
         assert math.isclose(got, ref, rel_tol=2e-3), (losses, want)

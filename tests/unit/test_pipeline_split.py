@@ -146,7 +146,7 @@ def test_runner_on_one_rank_equals_accumulation(schedule, virtual):
     stage = apply_pp(copy.deepcopy(reference), 0, 1, virtual)
     for p in stage.parameters():
         p.grad = None
-    runner = PipelineRunner(stage, None, schedule, 3)
+    runner = PipelineRunner(stage, 3, schedule=schedule)
     loss_sum, moe_outputs = runner.run(inputs, targets)
     assert float(loss_sum) == pytest.approx(want, rel=1e-12)
     assert [len(outs) for outs in moe_outputs] == [3, 3, 3]

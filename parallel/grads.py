@@ -1,4 +1,5 @@
-"""Data parallelism (plain): reduce gradients at step end, and the global gradient norm.
+"""Gradients across ranks: which group reduces each one, the plain step-end reduction, the
+global gradient norm and clipping (the gradient syncs, ddp.py and zero.py, build on these).
 
 Talks on `dp` (dense gradients, step statistics), `edp` (expert gradients) and `ep` (the norm).
 

@@ -1,0 +1,66 @@
+"""The step runner without pipelining (pp = 1): the step's micro-batches one after another,
+forward, loss, backward, with the signature and hooks of `PipelineRunner` (pipeline_runner.py),
+so the handle drives both the same way.
+
+Talks on `balance_group` (the dp ranks) only for a deferred balance loss at the global scope:
+one all-reduce of (L+1)*E numbers or fewer per micro-batch (layers/balance.py).
+"""
+
+import contextlib
+
+import torch
+
+from moepar.layers.balance import MicroBalance
+
+from .pipeline_runner import step_balance
+from .loss import cross_entropy
+from .schedules import Action
+
+__all__ = ["LocalRunner"]
+
+
+class LocalRunner:
+    """Runs one step's micro-batches of a whole model. After `run`: `balance_values`, per
+    micro-batch its weighted deferred balance loss (None when each router call trains its own)."""
+
+    def __init__(self, model, num_micro: int, loss_fn=cross_entropy, *,
+                 autocast=contextlib.nullcontext, balance_group=None):
+        self.model, self.num_micro, self.loss_fn, self.autocast = model, num_micro, loss_fn, autocast
+        self.order = [Action(kind, 0, n) for n in range(num_micro) for kind in "FB"]
+        self.loss_scale = 1.0
+        self.balance_group = balance_group
+        self.balance_values = []
+        model.set_aux_loss_scale(1.0 / num_micro)
+
+    def run(self, inputs: list, targets: list, before_action=None, after_action=None,
+            forward_only: bool = False, limit: int | None = None):
+        """The step's micro-batches (or the first `limit`); returns (loss sum, per micro-batch
+        the MoE outputs' statistics). `forward_only`: no autograd, no backward (evaluation)."""
+        device = next(self.model.parameters()).device
+        loss_sum = torch.zeros((), dtype=torch.float64, device=device)
+        outputs, self.balance_values = [], []
+        step = None if forward_only else step_balance(self.model, self.balance_group, device)
+        for n in range(self.num_micro if limit is None else limit):
+            inputs_BS = inputs[n].to(device, non_blocking=True)
+            targets_BS = targets[n].to(device, non_blocking=True)
+            holder = None if step is None else MicroBalance()
+            with self.autocast(), torch.no_grad() if forward_only else contextlib.nullcontext():
+                logits, moe_outputs = (self.model(inputs_BS) if holder is None
+                                       else self.model(inputs_BS, holder))
+                loss = self.loss_fn(logits, targets_BS)
+            if forward_only:
+                loss_sum += loss
+                continue
+            self.balance_values.append(None if step is None else step.finish(holder))
+            # Only statistics outlive the forward: the logits ([B, S, V], the largest activation)
+            # and the MoE outputs are not needed by backward and go before it runs.
+            outputs.append([o.statistics() for o in moe_outputs])
+            del logits, moe_outputs
+            backward = Action("B", 0, n)
+            if before_action is not None:
+                before_action(backward)
+            (loss * self.loss_scale / self.num_micro).backward()
+            if after_action is not None:
+                after_action(backward)
+            loss_sum += loss.detach()
+        return loss_sum, outputs
