@@ -176,7 +176,7 @@ def parse_json(text, where: str, schema=None, max_depth: int = MAX_DEPTH):
     try:
         value = json.loads(text)
     except ValueError as e:        # JSONDecodeError, or an integer of more than 4300 digits
-        raise FileError(f"{where}: not valid JSON ({e})") from None
+        raise FileError(f"{where} is not valid JSON ({e})") from None
     if schema is not None:
         schema.check(value, where, "")
     return value
