@@ -24,7 +24,7 @@ from moepar.parallel.tensor import check_tp
 
 __all__ = ["RunConfig", "ParallelConfig", "TrainConfig", "DataConfig", "OutputConfig",
            "load_config", "config_path", "packaged_examples", "parse_overrides", "to_toml",
-           "to_dict", "sections_toml", "config_reference"]
+           "to_dict", "sections_toml", "config_reference", "model_sections"]
 
 DTYPES = ("float32", "bfloat16", "float16", "float64")
 DATA_SOURCES = ("builtin", "text", "tokens")
@@ -422,6 +422,29 @@ def _build(tree: dict, source: str, overridden: set = frozenset()) -> RunConfig:
             kwargs[key] = _convert(f"{name}.{key}", value, field_hints[key])
         built[name] = cls(**kwargs)
     return RunConfig(**built)
+
+
+def model_sections(config, where: str) -> tuple[ModelConfig, RouterConfig]:
+    """The [model] and [router] sections of a saved config (a checkpoint's state.json), each
+    value converted and checked as a TOML file's would be; ValueError naming `where` and the
+    key otherwise (an unknown key: a checkpoint of another moepar)."""
+    if not isinstance(config, dict) or not isinstance(config.get("model"), dict):
+        raise ValueError(f"{where} has no model config (a 'config' object with a 'model' section)")
+    built = []
+    try:
+        for name, cls in (("model", ModelConfig), ("router", RouterConfig)):
+            values = config.get(name, {})
+            if not isinstance(values, dict):
+                raise ValueError(f"[{name}] must be an object of key = value")
+            hints = _section_types(cls)
+            unknown = sorted(set(values) - set(hints))
+            if unknown:
+                raise ValueError(f"unknown key(s) {', '.join(f'{name}.{k}' for k in unknown)} "
+                                 "(written by another moepar version?)")
+            built.append(cls(**{k: _convert(f"{name}.{k}", v, hints[k]) for k, v in values.items()}))
+    except ValueError as e:
+        raise ValueError(f"{where}: {e}") from None
+    return built[0], built[1]
 
 
 def parse_overrides(args: list[str]) -> dict:
