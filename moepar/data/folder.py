@@ -8,9 +8,9 @@ memory-mapped token sequence that is never read whole.
 
 Every shard's .npy header and file size are checked against the index before it is opened, so a
 truncated or damaged file is an error naming it, and the first time a process opens a split its
-shards' SHA-256 are checked against the index (every byte read once, on up to 4 threads: about
-0.7 s per GB on 2 cores; a file already verified in this process, unchanged since, is not read
-again). Tokens are then read with pread, never through a memory map: a file truncated while
+shards' SHA-256 are checked against the index (every byte read once, on up to 4 threads:
+1.2-1.4 s per GiB from the page cache on this project's shared 2-core machine; a file already
+verified in this process, unchanged since, is not read again). Tokens are then read with pread, never through a memory map: a file truncated while
 training runs is an error naming it, where a map would kill the process with SIGBUS.
 
 The index names its shards by plain file names inside the folder (no '/', no '..'); a name may
