@@ -194,8 +194,15 @@ def plan_start(run, ckpt_root: str, config_path: str | None = None,
     if run.resume_from:
         step = checkpoint_step(run.resume_from)
         if step is None:
+            from moepar.checkpoint import CheckpointError
+            from moepar.checkpoint.load import read_manifest
+            try:
+                read_manifest(run.resume_from)
+                reason = "its manifest.json holds no step"
+            except CheckpointError as e:
+                reason = str(e)
             raise RunDirError(f"run.resume_from={run.resume_from!r} is not a committed "
-                              "checkpoint (it has no readable manifest.json)")
+                              f"checkpoint: {reason}")
         later = [s for s in existing if s > step]
         if later and not run.overwrite:
             raise RunDirError(f"run.dir={run.dir!r} holds checkpoints after step {step} of "
@@ -442,7 +449,7 @@ def plan_run_start(cfg, ckpt_root: str, config_path: str | None, fingerprint) ->
         try:
             check_same_dataset(saved.get("dataset"), fingerprint)
         except ValueError as e:
-            raise RunDirError(f"{e}. Nothing was changed") from None
+            raise RunDirError(f"{path}: {e}. Nothing was changed") from None
         notes = config_changes(saved.get("config"), current, cfg.run.allow_changes, path)
         check_history(cfg.run.dir)
     return StartPlan(ckpt_root, path, notes, recovery, doomed,

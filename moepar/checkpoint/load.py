@@ -35,7 +35,8 @@ INDEX_SCHEMA = Obj({"format": Int(1, 1 << 16), "model": Map(_ENTRY), "optimizer"
 # whose keys the resume compares; a dataset fingerprint is sources and weights.
 STATE_SCHEMA = Obj({"config": Map(Map()), "loss_scale": Obj({"scale": Num(0), "finite_steps": Int()},
                                                              required=("scale", "finite_steps")),
-                    "dataset": Opt(Obj({"sources": List(Map()), "weights": List(Num(0))})),
+                    "dataset": Opt(Obj({"sources": List(Map()), "weights": List(Num(0))},
+                                       required=("sources", "weights"))),
                     "stop_reason": Str(), "layout": Str()}, required=("step",))
 _RNG_FILE = re.compile(r"^rng-r(\d{5})\.safetensors$")
 

@@ -67,7 +67,7 @@ def source_files(path: str) -> list[tuple[str, dict]]:
             raise ConversionError(f"{e} (not a valid safetensors index)") from None
         weight_map = {name: _shard_name(path, file) for name, file in weight_map.items()}
         files = sorted(set(weight_map.values()))
-    elif os.path.isfile(os.path.join(path, "model.safetensors")):
+    elif os.path.lexists(os.path.join(path, "model.safetensors")):   # read_header checks it
         weight_map, files = None, ["model.safetensors"]
     else:
         raise ConversionError(f"{path!r} has neither model.safetensors nor model.safetensors.index.json")

@@ -53,8 +53,8 @@ class Source:
 
 
 def is_hf_folder(path: str) -> bool:
-    return os.path.isfile(os.path.join(path, "config.json")) and any(
-        os.path.isfile(os.path.join(path, f))
+    return os.path.lexists(os.path.join(path, "config.json")) and any(   # readers check them
+        os.path.lexists(os.path.join(path, f))
         for f in ("model.safetensors", "model.safetensors.index.json"))
 
 
