@@ -12,7 +12,14 @@ Who holds the lock: the process that starts the run. `moepar train` on one proce
 itself; `moepar train --nproc N` takes it in the launcher before any worker starts and tells the
 workers (MOEPAR_RUN_LOCK_PID, checked against their parent); under torchrun, srun or any launcher
 that sets WORLD_SIZE, rank 0 takes it. A second start is refused naming the holder's pid and
-host. The kernel drops the lock when its holder dies, so a crash never leaves it stale.
+host. The kernel drops the lock when its holder dies, so a crash never leaves it stale. The
+lock file is opened without following symlinks and must be a regular file of one link: a
+run.lock that points at (or is a hard link to) a user's file is refused, never written.
+
+A start first makes every check (plan_run_start: crash recovery planned, plan_start,
+refuse_replay, the resumed checkpoint's state, dataset and config, the per-step files), and only
+then, holding the lock, changes run.dir (StartPlan.apply): a refused start (exit 2) has changed
+nothing.
 """
 
 import dataclasses

@@ -13,7 +13,7 @@ import torch
 
 from moepar.checkpoint.base import (FORMAT, INDEX, MANIFEST, STATE, CheckpointError, _barrier,
                                     _broadcast, _gather_to_first, _volume_ok, _world)
-from moepar.checkpoint.folders import complete_steps, discard, mark, set_aside
+from moepar.checkpoint.folders import MARKER, complete_steps, discard, mark, set_aside
 from moepar.parallel.shards import local_view
 from moepar.tensorfile import data_offsets, dtype_name, file_digest, write_tensors
 
@@ -248,6 +248,9 @@ def commit(tmp: str, final: str, step: int, world_size: int = 1, known_hashes: d
     if os.path.exists(final):
         raise CheckpointError(f"{final} already exists; a checkpoint is never replaced")
     files = dict(known_hashes or {})
+    marker = os.path.join(tmp, MARKER)
+    if os.path.exists(marker):     # a committed checkpoint is recognised by its manifest
+        os.remove(marker)
     for name in sorted(os.listdir(tmp)):
         if name not in files:
             files[name] = file_digest(os.path.join(tmp, name))
