@@ -82,9 +82,11 @@ class Recovery:
 
     def apply(self) -> list[str]:
         """Does it (rank 0, under the run lock); returns what was done, then what was left."""
-        for _, do in self.actions:
-            do()
-        return [message for message, _ in self.actions] + self.notes
+        done = []
+        for message, do in self.actions:
+            new = do()       # set_aside says where the folder went
+            done.append(f"{message} as {os.path.basename(new)}" if isinstance(new, str) else message)
+        return done + self.notes
 
 
 def plan_recovery(ckpt_root: str) -> Recovery:
