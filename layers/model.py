@@ -29,6 +29,17 @@ QK_NORMS = ("none", "head", "full")
 ROPE_SCALINGS = ("none", "yarn")
 
 
+# Upper bounds of the size fields: each well above any published model (DeepNet's 1,000 layers,
+# vocabularies of 256k, dims of 16k, contexts of 1M) and below what a build could still finish.
+_LARGEST = {"vocab_size": 1 << 24, "dim": 1 << 16, "num_layers": 1024, "num_heads": 1 << 12,
+            "num_kv_heads": 1 << 12, "head_dim": 1 << 12, "ffn_dim": 1 << 20,
+            "moe_ffn_dim": 1 << 20, "num_experts": 1 << 16, "top_k": 1 << 10,
+            "first_k_dense": 1024, "moe_every": 1024, "moe_offset": 1024,
+            "num_shared_experts": 1 << 10, "shared_ffn_dim": 1 << 20, "q_lora_rank": 1 << 16,
+            "kv_lora_rank": 1 << 16, "qk_nope_head_dim": 1 << 12, "qk_rope_head_dim": 1 << 12,
+            "v_head_dim": 1 << 12, "max_seq_len": 1 << 22, "rope_original_max_seq_len": 1 << 22}
+
+
 @dataclass
 class ModelConfig:
     """Model shape; the `[model]` section of a run config."""
@@ -83,6 +94,13 @@ class ModelConfig:
                      "num_experts"):
             if getattr(self, name) < 0:
                 raise ValueError(f"model.{name}={getattr(self, name)} must be >= 0")
+        for name, most in _LARGEST.items():   # beyond these no build finishes (or fits)
+            if getattr(self, name) > most:
+                raise ValueError(f"model.{name}={getattr(self, name)} exceeds {most:,}, more "
+                                 "than any model can be built with")
+        if len(self.dense_layers) > self.num_layers:
+            raise ValueError(f"model.dense_layers has {len(self.dense_layers)} entries, more than "
+                             f"model.num_layers={self.num_layers}")
         if self.activation not in ACTIVATIONS:
             raise ValueError(f"model.activation={self.activation!r} is not one of {ACTIVATIONS}")
         for name in ("rope_theta", "norm_eps", "init_std"):

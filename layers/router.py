@@ -68,6 +68,9 @@ class RouterConfig:
             raise ValueError(f"router.balance_loss={self.balance_loss!r} and router.balance_scope="
                              f"{self.balance_scope!r} need router.type='topk': expert-choice "
                              "routing is balanced by construction and has no balance loss")
+        if self.n_group > 1 << 16:
+            raise ValueError(f"router.n_group={self.n_group} exceeds {1 << 16:,}, more than any "
+                             "model has experts")
         if self.n_group < 1 or self.topk_group < 1 or self.topk_group > self.n_group:
             raise ValueError(f"router.topk_group={self.topk_group} must be in [1, router.n_group="
                              f"{self.n_group}] and router.n_group >= 1")

@@ -9,11 +9,11 @@ import dataclasses
 import json
 import os
 import re
-import tomllib
 import types
 import typing
 from dataclasses import dataclass, field
 
+from moepar.jsonfile import read_toml
 from moepar.layers.model import ModelConfig
 from moepar.layers.router import RouterConfig, check_number
 from moepar.parallel.checkpointing import RECOMPUTE
@@ -24,13 +24,24 @@ from moepar.parallel.tensor import check_tp
 
 __all__ = ["RunConfig", "ParallelConfig", "TrainConfig", "DataConfig", "OutputConfig",
            "load_config", "config_path", "packaged_examples", "parse_overrides", "to_toml",
-           "to_dict", "sections_toml", "config_reference"]
+           "to_dict", "sections_toml", "config_reference", "model_sections"]
 
 DTYPES = ("float32", "bfloat16", "float16", "float64")
 # Keys an older moepar read, and what says the same now (a config that sets one is refused with this).
 RENAMED = {"parallel.dedup": 'set parallel.dispatcher = "dedup" (the dispatcher kinds are one key)'}
 DATA_SOURCES = ("builtin", "text", "tokens")
 TOKEN_DTYPES = ("uint8", "uint16", "int32", "int64")
+MAX_COUNT = 1 << 53       # steps and positions: a checkpoint stores them as JSON numbers
+
+
+def check_at_most(section: str, obj, limits: dict):
+    """Upper bounds that keep a run possible ({field: largest allowed}); ValueError naming the
+    field. (Lower bounds are each section's own checks.)"""
+    for name, most in limits.items():
+        value = getattr(obj, name)
+        if value > most:
+            raise ValueError(f"{section}.{name}={value} exceeds {most:,}, more than any run can "
+                             "use")
 
 
 @dataclass
@@ -87,6 +98,11 @@ class ParallelConfig:
             raise ValueError(f"parallel.gpus_per_node={self.gpus_per_node} must be >= 0")
         if self.backend not in ("auto", "gloo", "nccl"):
             raise ValueError(f"parallel.backend={self.backend!r} is not one of 'auto', 'gloo', 'nccl'")
+        # timeout_s: a datetime.timedelta overflows past ~10^14 s; 30 days is already no timeout
+        check_at_most("parallel", self, {"dp": 1 << 20, "tp": 1 << 16, "pp": 1 << 12, "ep": 1 << 16,
+                                         "a2a_chunks": 1 << 12, "pp_virtual": 1 << 12,
+                                         "bucket_mb": 1 << 20, "timeout_s": 30 * 86400,
+                                         "gpus_per_node": 1 << 12})
 
 
 @dataclass
@@ -147,6 +163,17 @@ class TrainConfig:
         for name in ("beta1", "beta2"):
             if not 0 <= getattr(self, name) < 1:
                 raise ValueError(f"train.{name}={getattr(self, name)} must be in [0, 1)")
+        # The sampler seeds micro-batch i with seed * 1_000_003 + i, which torch takes up to 2^64.
+        if not 0 <= self.seed < 1 << 32:
+            raise ValueError(f"train.seed={self.seed} must be in [0, 2**32)")
+        check_at_most("train", self, {"steps": MAX_COUNT - 1, "micro_batch_size": 1 << 20,
+                                      "global_batch_size": 1 << 30, "seq_len": 1 << 22,
+                                      "warmup_steps": MAX_COUNT - 1, "max_skipped_steps": MAX_COUNT,
+                                      "eval_every": MAX_COUNT, "eval_batches": 1 << 20})
+        if self.global_batch_size // self.micro_batch_size > 1 << 20:
+            raise ValueError(f"train.global_batch_size={self.global_batch_size} / "
+                             f"train.micro_batch_size={self.micro_batch_size} is more than "
+                             f"{1 << 20:,} micro-batches per step")
 
     @property
     def num_micro_batches(self) -> int:
@@ -233,6 +260,12 @@ class OutputConfig:
     def __post_init__(self):
         if not self.dir:
             raise ValueError("run.dir must not be empty")
+        for name in ("dir", "resume_from", "init_from"):
+            if "\0" in getattr(self, name):
+                raise ValueError(f"run.{name}={getattr(self, name)!r} holds a NUL byte")
+        if os.path.lexists(self.dir) and not os.path.isdir(self.dir):
+            raise ValueError(f"run.dir={self.dir!r} exists and is not a directory (a run "
+                             "directory holds config.toml, metrics.jsonl, checkpoints/, ...)")
         if isinstance(self.resume, str):
             if self.resume.lower() != "auto":
                 raise ValueError(f"run.resume={self.resume!r} must be true, false or \"auto\" "
@@ -394,6 +427,29 @@ def _build(tree: dict, source: str, overridden: set = frozenset()) -> RunConfig:
     return RunConfig(**built)
 
 
+def model_sections(config, where: str) -> tuple[ModelConfig, RouterConfig]:
+    """The [model] and [router] sections of a saved config (a checkpoint's state.json), each
+    value converted and checked as a TOML file's would be; ValueError naming `where` and the
+    key otherwise (an unknown key: a checkpoint of another moepar)."""
+    if not isinstance(config, dict) or not isinstance(config.get("model"), dict):
+        raise ValueError(f"{where} has no model config (a 'config' object with a 'model' section)")
+    built = []
+    try:
+        for name, cls in (("model", ModelConfig), ("router", RouterConfig)):
+            values = config.get(name, {})
+            if not isinstance(values, dict):
+                raise ValueError(f"[{name}] must be an object of key = value")
+            hints = _section_types(cls)
+            unknown = sorted(set(values) - set(hints))
+            if unknown:
+                raise ValueError(f"unknown key(s) {', '.join(f'{name}.{k}' for k in unknown)} "
+                                 "(written by another moepar version?)")
+            built.append(cls(**{k: _convert(f"{name}.{k}", v, hints[k]) for k, v in values.items()}))
+    except ValueError as e:
+        raise ValueError(f"{where}: {e}") from None
+    return built[0], built[1]
+
+
 def parse_overrides(args: list[str]) -> dict:
     """['--model.dim=64', '--train.steps', '5'] -> {'model': {'dim': '64'}, 'train': {'steps': '5'}}."""
     tree: dict = {}
@@ -423,8 +479,11 @@ def packaged_examples() -> dict[str, str]:
 
 
 def config_path(path: str) -> str:
-    """A file as is; a bare name that is no file ('tiny', 'tiny.toml') names a packaged example."""
-    if os.path.isfile(path) or os.path.dirname(path):
+    """A path as is (read_toml refuses what is not a regular file); a bare name that is nothing
+    on disk ('tiny', 'tiny.toml') names a packaged example."""
+    if "\0" in path:
+        raise ValueError(f"config file {path!r} holds a NUL byte")
+    if os.path.lexists(path) or os.path.dirname(path):
         return path
     examples = packaged_examples()
     name = path[:-len(".toml")] if path.endswith(".toml") else path
@@ -440,13 +499,7 @@ def load_config(path: str | None = None, overrides: list[str] = ()) -> RunConfig
     tree: dict = {}
     if path:
         path = config_path(path)
-        try:
-            with open(path, "rb") as f:
-                tree = tomllib.load(f)
-        except FileNotFoundError:
-            raise ValueError(f"config file {path!r} does not exist") from None
-        except tomllib.TOMLDecodeError as e:
-            raise ValueError(f"config file {path!r} is not valid TOML: {e}") from None
+        tree = read_toml(path)       # FileError (a ValueError) naming the file
     overridden = set()
     for section, values in parse_overrides(list(overrides)).items():
         if not isinstance(tree.get(section, {}), dict):

@@ -11,7 +11,7 @@ device), so a 671B-parameter config on 2048 ranks takes well under a second. An 
 ZeRO shards over the fewest ranks and each rank holds the most.
 """
 
-from moepar.build import PARAM_DTYPES, build_dims
+from moepar.build import COMPUTE_DTYPES, PARAM_DTYPES, build_dims
 from moepar.config import to_toml
 from moepar.plan.memory import param_count, rank_memory, tensor_shapes
 from moepar.progress import count_text
@@ -25,12 +25,15 @@ def rank_kinds(cfg, dims) -> list[dict]:
     """Ranks grouped by what they hold: [{ranks, pp, memory (rank_memory)}], one per distinct
     breakdown, in rank order of their first member (with pp > 1, usually one per stage)."""
     p = cfg.parallel
-    element = PARAM_DTYPES[cfg.train.dtype].itemsize     # bf16/fp16 train fp32 parameters
+    element = PARAM_DTYPES[cfg.train.dtype].itemsize     # bf16/fp16 train fp32 masters ...
+    compute = COMPUTE_DTYPES[cfg.train.dtype].itemsize if cfg.train.dtype in COMPUTE_DTYPES else 0
     shapes = tensor_shapes(cfg.model, tp=dims.tp)
     kinds: dict[tuple, dict] = {}
     for rank in range(dims.world_size):
         memory = rank_memory(cfg.model, dims, rank, p.zero, element, p.pp_virtual,
-                             p.pp_layers or None, shapes=shapes)
+                             p.pp_layers or None, shapes=shapes, compute_bytes=compute)
+        # ... and keep their bf16 compute weights beside them (parallel/precision.py)
+        memory["params"] += memory.pop("compute_weights")
         key = tuple(sorted(memory.items()))
         if key not in kinds:
             kinds[key] = {"ranks": [], "pp": set(), "memory": memory}

@@ -295,6 +295,18 @@ def _check_node_counts(cfg, nproc: int, flags: dict):
                          + "; ".join(failures))
 
 
+def _check_memory(cfg, nproc: int, under_launcher: bool, flags: dict):
+    """moepar/fits.py's check of the ranks this process starts (or is): all --nproc local ranks
+    from the launcher (one node), else this rank."""
+    from moepar.fits import check_run_fits
+    device = select_device(cfg.train.device, cfg.parallel.backend)
+    if under_launcher:
+        rank = int(os.environ.get("RANK", 0))
+        check_run_fits(cfg, int(os.environ["WORLD_SIZE"]), [rank], device)
+    elif not flags:
+        check_run_fits(cfg, nproc, list(range(nproc)), device)
+
+
 def main(argv: list[str]) -> int:
     die_with_launcher()                 # first: a worker must not outlive its launcher
     from moepar.cluster import launcher_argv, pop_multinode
@@ -338,6 +350,11 @@ def main(argv: list[str]) -> int:
         env = [f"{FRESH_STORE_ENV[0]}={FRESH_STORE_ENV[1]}"] if restarts(launcher) else []
         print(shlex.join([*env, "torchrun", *launcher, "-m", "moepar", "train", *worker]))
         return 0
+    try:     # before any process or collective: the ranks on this machine must fit in memory
+        _check_memory(cfg, args.nproc, under_launcher, flags)
+    except ValueError as e:
+        print(f"moepar: config error: {e}", file=sys.stderr)
+        return EXIT_REFUSED
     if not under_launcher and (args.nproc > 1 or flags):
         lock = None
         if "--standalone" in launcher:   # one node: this process holds run.dir's lock

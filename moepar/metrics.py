@@ -121,8 +121,10 @@ def imbalance_L(tokens_LE: torch.Tensor):
 
 def _step_of(line: str):
     """The step of a step line, or None for a torn or foreign line (a crash mid-write)."""
+    from moepar.jsonfile import parse_json
     try:
-        return int(json.loads(line)["step"])
+        step = parse_json(line, "a step line")["step"]
+        return step if type(step) is int else None
     except (ValueError, KeyError, TypeError):
         return None
 

@@ -12,20 +12,32 @@ Who holds the lock: the process that starts the run. `moepar train` on one proce
 itself; `moepar train --nproc N` takes it in the launcher before any worker starts and tells the
 workers (MOEPAR_RUN_LOCK_PID, checked against their parent); under torchrun, srun or any launcher
 that sets WORLD_SIZE, rank 0 takes it. A second start is refused naming the holder's pid and
-host. The kernel drops the lock when its holder dies, so a crash never leaves it stale.
+host. The kernel drops the lock when its holder dies, so a crash never leaves it stale. The
+lock file is opened without following symlinks and must be a regular file of one link: a
+run.lock that points at (or is a hard link to) a user's file is refused, never written.
+
+A start first makes every check (plan_run_start: crash recovery planned, plan_start,
+refuse_replay, the resumed checkpoint's state, dataset and config, the per-step files), and only
+then, holding the lock, changes run.dir (StartPlan.apply): a refused start (exit 2) has changed
+nothing.
 """
 
+import dataclasses
+import errno
 import fcntl
 import json
 import os
 import socket
+import stat
 import sys
 import time
+
+from moepar.jsonfile import FileError, Int, Map, Obj, Str, open_regular, parse_json, read_json
 
 __all__ = ["RunDirError", "RunLock", "LOCK_FILE", "LAUNCHER_ENV", "previous_run_files",
            "describe_checkpoints", "plan_start", "write_config", "config_changes",
            "HARMLESS_CHANGES", "DIVERGED_FILE", "record_divergence", "refuse_replay",
-           "DivergenceReplay"]
+           "DivergenceReplay", "StartPlan", "plan_run_start", "check_history"]
 
 LOCK_FILE = "run.lock"
 LAUNCHER_ENV = "MOEPAR_RUN_LOCK_PID"     # set by `moepar train --nproc`: the launcher holds it
@@ -54,13 +66,22 @@ class RunLock:
     _held: dict[str, list] = {}          # real path of the lock file -> [fd, holders]
 
     def __init__(self, run_dir: str):
-        os.makedirs(run_dir, exist_ok=True)
-        self.path = os.path.realpath(os.path.join(run_dir, LOCK_FILE))
+        try:
+            os.makedirs(run_dir, exist_ok=True)
+        except (OSError, ValueError) as e:
+            reason = "holds a NUL byte" if isinstance(e, ValueError) else e.strerror
+            raise RunDirError(f"run.dir={run_dir!r} cannot be created ({reason}). Nothing was "
+                              "changed") from None
+        if not os.path.isdir(run_dir):
+            raise RunDirError(f"run.dir={run_dir!r} is not a directory. Nothing was changed")
+        # The directory is resolved, never the lock: a run.lock that is a symlink is refused,
+        # not followed (it could point at any file of the user's).
+        self.path = os.path.join(os.path.realpath(run_dir), LOCK_FILE)
         self.run_dir, self.supported, self.released = run_dir, True, False
         if self.path in RunLock._held:
             RunLock._held[self.path][1] += 1
             return
-        fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
+        fd = _open_lock(self.path, run_dir)
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
@@ -91,10 +112,34 @@ class RunLock:
             os.close(entry[0])        # closing the last descriptor drops the flock
 
 
+def _open_lock(path: str, run_dir: str) -> int:
+    """The lock file's descriptor: created if missing, never through a symlink (O_NOFOLLOW), and
+    only a regular file of one link (a FIFO cannot block: O_NONBLOCK; a hard link to a user's
+    file is refused, as writing the holder would overwrite it)."""
+    flags = (os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0))
+    what = f"run.dir={run_dir!r}: {path}"
+    try:
+        fd = os.open(path, flags, 0o644)
+    except OSError as e:
+        reason = {errno.ELOOP: "is a symlink; moepar creates its lock file itself and never "
+                               "writes through a link", errno.EISDIR: "is a directory",
+                  errno.EACCES: "cannot be opened (permission denied)"}.get(e.errno, e.strerror)
+        raise RunDirError(f"{what} {reason}. Remove it (or choose another run.dir); nothing "
+                          "was changed") from None
+    st = os.fstat(fd)
+    if not stat.S_ISREG(st.st_mode) or st.st_nlink != 1:
+        os.close(fd)
+        kind = "has other hard links" if stat.S_ISREG(st.st_mode) else "is not a regular file"
+        raise RunDirError(f"{what} {kind}; a lock file is moepar's own. Remove it (or choose "
+                          "another run.dir); nothing was changed")
+    os.set_blocking(fd, True)
+    return fd
+
+
 def _read_holder(fd: int) -> str:
     """'pid P on host H (started T)' from a held lock file, as far as it can be read."""
     try:
-        info = json.loads(os.pread(fd, 65536, 0) or b"{}")
+        info = parse_json(os.pread(fd, 65536, 0) or b"{}", "run.lock", Obj({}))
         return (f"pid {info.get('pid', '?')} on host {info.get('host', '?')} (started "
                 f"{info.get('started', '?')}: {info.get('command', '?')})")
     except (OSError, ValueError, AttributeError):
@@ -139,19 +184,32 @@ def describe_checkpoints(ckpt_root: str) -> str:
 
 
 def plan_start(run, ckpt_root: str, config_path: str | None = None,
-               current: dict | None = None) -> tuple[str | None, list]:
+               current: dict | None = None, steps: dict | None = None) -> tuple[str | None, list]:
     """(checkpoint to resume from or None for a fresh start, steps an asked overwrite deletes)
     for the [run] section `run`; RunDirError when the start would lose or mix up a previous
-    run's files. Call under the lock, after recovery. `current`: this run's config as a dict
+    run's files. Changes nothing. `steps`: {step: folder} of the complete checkpoints once
+    recovery is done (default: the committed ones). `current`: this run's config as a dict
     (run.resume="auto" compares it with the config.toml of a previous start that saved no
     checkpoint yet)."""
-    from moepar.checkpoint import checkpoint_step, complete_steps, latest_checkpoint
-    existing = complete_steps(ckpt_root)
+    from moepar.checkpoint import checkpoint_step, complete_steps
+    if steps is None:
+        steps = {s: os.path.join(ckpt_root, f"step_{s}") for s in complete_steps(ckpt_root)}
+    existing = sorted(steps)
+
+    def latest_checkpoint(_root):
+        return steps[existing[-1]] if existing else None
     if run.resume_from:
         step = checkpoint_step(run.resume_from)
         if step is None:
+            from moepar.checkpoint import CheckpointError
+            from moepar.checkpoint.load import read_manifest
+            try:
+                read_manifest(run.resume_from)
+                reason = "its manifest.json holds no step"
+            except CheckpointError as e:
+                reason = str(e)
             raise RunDirError(f"run.resume_from={run.resume_from!r} is not a committed "
-                              "checkpoint (it has no readable manifest.json)")
+                              f"checkpoint: {reason}")
         later = [s for s in existing if s > step]
         if later and not run.overwrite:
             raise RunDirError(f"run.dir={run.dir!r} holds checkpoints after step {step} of "
@@ -225,32 +283,35 @@ def record_divergence(run_dir: str, step: int, reason: str, config: dict):
     os.replace(path + ".tmp", path)
 
 
-def refuse_replay(run, resume_path: str | None, current: dict):
+_DIVERGED_SCHEMA = Obj({"step": Int(0, (1 << 53) - 1), "reason": Str(), "time": Str(),
+                        "config": Map(Map())}, required=("step", "reason", "config"))
+
+
+def refuse_replay(run, resume_path: str | None, current: dict) -> bool:
     """DivergenceReplay when this start would replay a recorded divergence: it resumes from a
     checkpoint no later than the diverged step (or starts over) and its config differs from the
-    diverged run's in none but replay-neutral keys. A fresh start asked to overwrite replaces
-    the record (a resume keeps it, whatever run.overwrite deletes of later checkpoints: an
-    elastic job restarted with the same flags must still not replay)."""
+    diverged run's in none but replay-neutral keys. Changes nothing; returns True when the
+    record is to go: a fresh start asked to overwrite replaces it (a resume keeps it, whatever
+    run.overwrite deletes of later checkpoints: an elastic job restarted with the same flags
+    must still not replay)."""
     from moepar.checkpoint import checkpoint_step
     path = os.path.join(run.dir, DIVERGED_FILE)
-    if not os.path.exists(path):
-        return
+    if not os.path.lexists(path):
+        return False
     if run.overwrite and resume_path is None:
-        os.remove(path)
-        return
+        return True
     try:
-        with open(path) as f:
-            record = json.load(f)
-        step, reason, saved = int(record["step"]), str(record["reason"]), record["config"]
-    except (OSError, ValueError, KeyError, TypeError) as e:
+        record = read_json(path, _DIVERGED_SCHEMA)
+    except FileError as e:
         raise RunDirError(f"{path} is unreadable ({e}); it records a divergence of this run. "
                           "Delete it to start anyway") from None
+    step, reason, saved = record["step"], record["reason"], record["config"]
     start = checkpoint_step(resume_path) if resume_path else 0
     if start is None or start > step:
-        return
-    changes = _changes(saved if isinstance(saved, dict) else {}, current)
+        return False
+    changes = _changes(saved, current)
     if any(_covering(key, _REPLAY_NEUTRAL) is None for key, _, _ in changes):
-        return
+        return False
     where = f"resuming from step {start}" if resume_path else "starting over"
     raise DivergenceReplay(f"not retrying a divergence: {where} with the same config would "
                            f"replay step {step}, where the run diverged "
@@ -349,3 +410,76 @@ def config_changes(saved: dict | None, current: dict, allowed: list[str], where:
                           f"values, or pass --run.allow_changes={keys} to accept "
                           f"{'this change' if len(refused) == 1 else 'these changes'}")
     return notes
+
+
+# ---- a start: every check first, then the changes ---------------------------------------------
+
+@dataclasses.dataclass
+class StartPlan:
+    """What a start will do in run.dir, decided by `plan_run_start` without changing anything;
+    `apply` (rank 0, under the lock, once every check has passed) does it."""
+    ckpt_root: str
+    resume_path: str | None      # the checkpoint to resume from, where it is now
+    notes: list                  # the config changes a resume accepts, in words
+    recovery: object             # moepar.checkpoint.folders.Recovery
+    doomed: list                 # steps an asked overwrite deletes
+    drop_divergence: str | None  # diverged.json that an asked overwrite replaces
+
+    def apply(self, log) -> tuple[str | None, list]:
+        """(the resume path once recovery is done, the background deletions started)."""
+        from moepar.checkpoint import discard
+        for message in self.recovery.apply():
+            log(f"checkpoints: {message}")
+        if self.drop_divergence:
+            os.remove(self.drop_divergence)
+        threads = [discard(os.path.join(self.ckpt_root, f"step_{s}")) for s in self.doomed]
+        return self.recovery.final(self.resume_path), threads
+
+
+def plan_run_start(cfg, ckpt_root: str, config_path: str | None, fingerprint) -> StartPlan:
+    """Every check a start makes before it may change run.dir: what crash recovery would do,
+    plan_start, refuse_replay, and for a resume the checkpoint's state (hash-checked), its
+    dataset and config, and the per-step files that the resume trims. RunDirError (or
+    DivergenceReplay, or CheckpointError for a damaged checkpoint) when the start is refused;
+    nothing has changed then."""
+    from moepar.checkpoint import read_state
+    from moepar.checkpoint.folders import plan_recovery
+    from moepar.config import to_dict
+    from moepar.data import check_same_dataset
+    recovery = plan_recovery(ckpt_root)
+    current = to_dict(cfg)
+    path, doomed = plan_start(cfg.run, ckpt_root, config_path, current, steps=recovery.steps)
+    drop = refuse_replay(cfg.run, path, current)
+    notes = []
+    if path:
+        saved = read_state(path)
+        try:
+            check_same_dataset(saved.get("dataset"), fingerprint)
+        except ValueError as e:
+            raise RunDirError(f"{path}: {e}. Nothing was changed") from None
+        notes = config_changes(saved.get("config"), current, cfg.run.allow_changes, path)
+        check_history(cfg.run.dir)
+    return StartPlan(ckpt_root, path, notes, recovery, doomed,
+                     os.path.join(cfg.run.dir, DIVERGED_FILE) if drop else None)
+
+
+_STEP_LINE = Obj({"step": Int(0, (1 << 53) - 1)})
+
+
+def check_history(run_dir: str):
+    """The per-step files a resume trims (metrics.jsonl, expert_load.jsonl) can be read: every
+    complete line UTF-8 JSON, steps whole numbers (a torn last line is a crash's and fine).
+    RunDirError naming the file and line otherwise, before anything changed."""
+    for name in ("metrics.jsonl", "expert_load.jsonl"):
+        path = os.path.join(run_dir, name)
+        if not os.path.lexists(path):
+            continue
+        try:
+            with open_regular(path) as f:
+                lines = f.read().split(b"\n")[:-1]     # the last piece is torn or empty
+            for number, line in enumerate(lines, start=1):
+                parse_json(line, f"{path}:{number}", _STEP_LINE)
+        except FileError as e:
+            raise RunDirError(f"{e}: the resume would trim this file to the checkpoint's step; "
+                              "repair or remove the line (or the file) and resume again. Nothing "
+                              "was changed") from None

@@ -21,7 +21,10 @@ import struct
 import numpy as np
 import torch
 
-__all__ = ["TensorFileError", "BLOCK", "DTYPES", "dtype_name", "write_tensors", "read_header",
+from moepar.jsonfile import FileError, check_regular, open_regular, parse_json
+
+__all__ = ["TensorFileError", "BLOCK", "DTYPES", "dtype_name", "data_offsets", "write_tensors",
+           "read_header",
            "check_blocks", "read_box", "box_bytes", "file_digest"]
 
 BLOCK = 32 << 20                 # bytes per hashed block
@@ -82,17 +85,24 @@ class _HashingFile:
                 "blocks": self.blocks}
 
 
+def data_offsets(entries: list) -> dict:
+    """{key: [start, stop]}: where `write_tensors` puts each entry's bytes in the data."""
+    out, offset = {}, 0
+    for key, dtype, shape, _ in entries:
+        nbytes = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
+        out[key] = [offset, offset + nbytes]
+        offset += nbytes
+    return out
+
+
 def write_tensors(path: str, entries: list, metadata: dict | None = None, check=None) -> dict:
     """Writes a safetensors file from entries (key, dtype, shape, produce) in order, calling
     produce() -> contiguous CPU tensor for one entry at a time; returns the file's hash entry
     (size, sha256, block hashes), for the checkpoint manifest. `check(key, tensor)` sees each
     tensor before it is written and may raise."""
-    header, offset = {}, 0
-    for key, dtype, shape, _ in entries:
-        nbytes = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
-        header[key] = {"dtype": dtype_name(dtype), "shape": list(shape),
-                       "data_offsets": [offset, offset + nbytes]}
-        offset += nbytes
+    spans = data_offsets(entries)
+    header = {key: {"dtype": dtype_name(dtype), "shape": list(shape), "data_offsets": spans[key]}
+              for key, dtype, shape, _ in entries}
     header["__metadata__"] = {"format": "pt", **(metadata or {})}
     text = json.dumps(header, separators=(",", ":")).encode()
     text += b" " * (-len(text) % 8)
@@ -116,11 +126,11 @@ def write_tensors(path: str, entries: list, metadata: dict | None = None, check=
 
 def read_header(path: str) -> tuple[dict, int]:
     """({key: {"dtype", "shape", "data_offsets"}}, byte offset of the data) after checking
-    everything a reader relies on; TensorFileError naming the file otherwise."""
+    everything a reader relies on, field by field; TensorFileError naming the file otherwise."""
     name = os.path.basename(path)
     try:
-        size = os.path.getsize(path)
-        with open(path, "rb") as f:
+        with open_regular(path) as f:
+            size = os.fstat(f.fileno()).st_size
             raw = f.read(8)
             if len(raw) < 8:
                 raise TensorFileError(f"{name}: {size} bytes, too short for a safetensors header")
@@ -129,33 +139,39 @@ def read_header(path: str) -> tuple[dict, int]:
                 raise TensorFileError(f"{name}: header length {length} exceeds the file "
                                       f"({size} bytes) or {MAX_HEADER} bytes")
             text = f.read(length)
+        header = parse_json(text, f"{name}: the header")
+    except FileError as e:
+        raise TensorFileError(str(e).replace(repr(path), name, 1)) from None
     except OSError as e:
         raise TensorFileError(f"{name}: cannot be read ({e.strerror})") from None
-    try:
-        header = json.loads(text)
-    except (ValueError, UnicodeDecodeError):
-        raise TensorFileError(f"{name}: the header is not valid JSON") from None
     if not isinstance(header, dict):
         raise TensorFileError(f"{name}: the header is not a JSON object")
-    header.pop("__metadata__", None)
+    metadata = header.pop("__metadata__", {})
+    if not isinstance(metadata, dict) or not all(isinstance(v, str) for v in metadata.values()):
+        raise TensorFileError(f"{name}: the header's __metadata__ is not an object of strings")
     data_size = size - 8 - length
     spans = []
     for key, entry in header.items():
         where = f"{name}: tensor {key!r}"
         if not isinstance(entry, dict) or set(entry) != {"dtype", "shape", "data_offsets"}:
-            raise TensorFileError(f"{where} has a malformed header entry")
-        if entry["dtype"] not in DTYPES:
-            raise TensorFileError(f"{where} has unknown dtype {entry['dtype']!r}")
-        shape, offsets = entry["shape"], entry["data_offsets"]
-        if not (isinstance(shape, list) and all(type(n) is int and n >= 0 for n in shape)):
-            raise TensorFileError(f"{where} has an invalid shape {shape!r}")
+            raise TensorFileError(f"{where} has a malformed header entry (it needs exactly "
+                                  "dtype, shape and data_offsets)")
+        dtype, shape, offsets = entry["dtype"], entry["shape"], entry["data_offsets"]
+        if not isinstance(dtype, str) or dtype not in DTYPES:
+            raise TensorFileError(f"{where} has dtype {dtype!r}, not one of "
+                                  f"{', '.join(DTYPES)}")
+        if not (isinstance(shape, list) and len(shape) <= 64
+                and all(type(n) is int and n >= 0 for n in shape)):
+            raise TensorFileError(f"{where} has an invalid shape {shape!r} (a list of whole "
+                                  "numbers >= 0)")
         if not (isinstance(offsets, list) and len(offsets) == 2
                 and all(type(n) is int for n in offsets) and 0 <= offsets[0] <= offsets[1]):
-            raise TensorFileError(f"{where} has invalid data offsets {offsets!r}")
-        itemsize = np.dtype(DTYPES[entry["dtype"]][1]).itemsize
+            raise TensorFileError(f"{where} has invalid data offsets {offsets!r} (two whole "
+                                  "numbers, start <= stop)")
+        itemsize = np.dtype(DTYPES[dtype][1]).itemsize
         if offsets[1] - offsets[0] != math.prod(shape) * itemsize:
             raise TensorFileError(f"{where}: {offsets[1] - offsets[0]} bytes of data for shape "
-                                  f"{shape} of {entry['dtype']}")
+                                  f"{shape} of {dtype}")
         if offsets[1] > data_size:
             raise TensorFileError(f"{where} ends at byte {offsets[1]}, past the end of the data "
                                   f"({data_size} bytes; the file is truncated or damaged)")
@@ -171,7 +187,7 @@ def file_digest(path: str) -> dict:
     """The hash entry `write_tensors` returns, for a file written another way (JSON files,
     conversion output), computed reading 1 MiB at a time."""
     out = _HashingFile(None)
-    with open(path, "rb") as f:
+    with open_regular(path) as f:
         while chunk := f.read(_READ):
             out.write(chunk)
     return out.close()
@@ -182,15 +198,19 @@ def check_blocks(path: str, digest, ranges=None):
     [(start, stop)] touch (None: the whole file). A plain string entry is a whole-file SHA-256
     (checkpoints from before block hashes)."""
     name = os.path.basename(path)
-    if not os.path.isfile(path):
+    if not os.path.lexists(path):
         raise TensorFileError(f"{name} is missing")
+    try:
+        size = check_regular(path).st_size
+    except FileError as e:
+        raise TensorFileError(str(e).replace(repr(path), name, 1)) from None
     if isinstance(digest, str):
         if file_digest(path)["sha256"] != digest:
             raise TensorFileError(f"{name} does not match its SHA-256 (corrupt or modified)")
         return
     if not isinstance(digest, dict) or not {"size", "block", "blocks"} <= set(digest):
         raise TensorFileError(f"{name}: its manifest entry is malformed")
-    size, block, blocks = os.path.getsize(path), digest["block"], digest["blocks"]
+    block, blocks = digest["block"], digest["blocks"]
     if size != digest["size"]:
         raise TensorFileError(f"{name} has {size} bytes, its manifest says {digest['size']} "
                               "(truncated or modified)")
@@ -198,7 +218,7 @@ def check_blocks(path: str, digest, ranges=None):
         raise TensorFileError(f"{name}: its manifest's block hashes do not fit the file")
     wanted = range(len(blocks)) if ranges is None else sorted(
         {b for start, stop in ranges for b in range(start // block, max(start, stop - 1) // block + 1)})
-    with open(path, "rb") as f:
+    with open_regular(path) as f:
         for b in wanted:
             f.seek(b * block)
             digest, left = hashlib.sha256(), block

@@ -30,20 +30,18 @@ import time
 import torch
 
 from moepar.build import build_dims, build_engine
-from moepar.checkpoint import (PendingSave, discard, latest_checkpoint, load_checkpoint,
-                               read_state, recover_interrupted)
+from moepar.checkpoint import PendingSave, latest_checkpoint, load_checkpoint
 from moepar.cluster import check_shared_filesystem
 from moepar.config import RunConfig, to_dict
-from moepar.data import build_sampler, check_same_dataset
+from moepar.data import build_sampler
 from moepar.infer.evaluate import Validation
 from moepar.launch import init_process_group, select_device
 from moepar.loss_scale import LossScaler
 from moepar.metrics import MetricsWriter, StepStats
 from moepar.plan.memory import param_count
 from moepar.progress import Progress, params_text
-from moepar.rundir import (DivergenceReplay, RunDirError, RunLock, config_changes,
-                           launcher_holds_lock, plan_start, record_divergence, refuse_replay,
-                           write_config)
+from moepar.rundir import (DivergenceReplay, RunDirError, RunLock, launcher_holds_lock,
+                           plan_run_start, record_divergence, write_config)
 
 __all__ = ["Trainer", "lr_at", "NonFiniteError", "ReplayRefused", "Preempted"]
 
@@ -108,15 +106,8 @@ class Trainer:
         self.ckpt_root = os.path.join(cfg.run.dir, "checkpoints")
         self.discarding = []      # background deletions (pruned checkpoints), joined by run()
         self.run_lock = self._lock_run_dir()
+        # Another dataset or a changed run is refused there, before run.dir changes.
         resume_path = self._resume_path()
-        if resume_path:
-            # Another dataset or a changed run is refused before anything is read but the
-            # small, hash-checked state file.
-            saved = read_state(resume_path)
-            check_same_dataset(saved.get("dataset"), self.sampler.fingerprint)
-            for note in config_changes(saved.get("config"), to_dict(cfg), cfg.run.allow_changes,
-                                       resume_path):
-                self.log(f"resume: {note}")
         self.engine = build_engine(cfg, self.layout, self.device, self.num_local_micro)
         # float16 needs loss scaling (dynamic); elsewhere train.loss_scale > 0 is a fixed scale.
         self.scaler = None
@@ -128,7 +119,7 @@ class Trainer:
         self._params_check = None         # device flag: parameters non-finite after the last update
         self.saved_step = None
         if resume_path:
-            state = load_checkpoint(resume_path, self.engine, optimizer=True)
+            state = load_checkpoint(resume_path, self.engine, optimizer=True, log=self.log)
             self.step, self.sampler.position = state["step"], state.get("data_position", 0)
             self.saved_step = self.step
             if self.scaler is not None and "loss_scale" in state:
@@ -188,24 +179,26 @@ class Trainer:
 
     def _resume_path(self) -> str | None:
         """The checkpoint to resume from, or None for a fresh start; refuses what would lose or
-        mix up a previous run's files. Rank 0 decides, under the lock; all ranks agree. Rank 0's
-        file work here is renames only (deletions go to a background thread), so the others
-        never wait long in the broadcast."""
-        error, replay, path = None, False, None
+        mix up a previous run's files, another dataset or a changed run. Rank 0 decides, under
+        the lock, and changes run.dir (crash recovery, an asked overwrite) only once every check
+        has passed; all ranks agree. Rank 0's file work here is renames only (deletions go to a
+        background thread), so the others never wait long in the broadcast."""
+        error, kind, path = None, None, None
         if self.rank == 0:
             try:
-                for message in recover_interrupted(self.ckpt_root):
-                    self.log(f"checkpoints: {message}")
-                current = to_dict(self.cfg)
-                path, doomed = plan_start(self.cfg.run, self.ckpt_root, self.config_path, current)
-                refuse_replay(self.cfg.run, path, current)
-                for step in doomed:        # asked for by --run.overwrite
-                    self.discarding.append(discard(os.path.join(self.ckpt_root, f"step_{step}")))
-            except (RunDirError, OSError) as e:
-                error, replay = str(e), isinstance(e, DivergenceReplay)
-        error, replay, path = self._from_rank0((error, replay, path))
+                plan = plan_run_start(self.cfg, self.ckpt_root, self.config_path,
+                                      self.sampler.fingerprint)
+                for note in plan.notes:
+                    self.log(f"resume: {note}")
+                path, threads = plan.apply(self.log)
+                self.discarding += threads
+            except (ValueError, OSError) as e:     # RunDirError, CheckpointError, ...
+                error = str(e)
+                kind = ("replay" if isinstance(e, DivergenceReplay) else
+                        "refused" if isinstance(e, RunDirError) else "failed")
+        error, kind, path = self._from_rank0((error, kind, path))
         if error:
-            raise (ReplayRefused if replay else RunDirError)(error)
+            raise {"replay": ReplayRefused, "refused": RunDirError}.get(kind, ValueError)(error)
         return path
 
     def _barrier(self):

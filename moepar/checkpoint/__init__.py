@@ -28,15 +28,16 @@ write_tensors patches it on the module below that calls it, not on this package)
 
     base.py     CheckpointError, the file names and FORMAT, the collectives, the tiling check
     save.py     save_checkpoint, PendingSave (host staging, background write), commit
-    folders.py  complete_steps, latest_checkpoint, checkpoint_step, recover_interrupted,
-                set_aside, discard: what is committed, and never deleting what a run did not write
+    folders.py  complete_steps, latest_checkpoint, checkpoint_step, plan_recovery (applied
+                by recover_interrupted), set_aside, discard: what is committed, and never moving
+                or deleting a folder moepar did not write (its marker)
     load.py     load_checkpoint (read planning, hash checks, all-or-nothing), verify_checkpoint,
                 read_state, canonical_names, read_canonical
 """
 
 from moepar.checkpoint.base import FORMAT, INDEX, MANIFEST, STATE, CheckpointError
 from moepar.checkpoint.folders import (checkpoint_step, complete_steps, discard, latest_checkpoint,
-                                       recover_interrupted, set_aside)
+                                       plan_recovery, recover_interrupted, set_aside)
 from moepar.checkpoint.load import (canonical_names, load_checkpoint, read_canonical, read_state,
                                     verify_checkpoint)
 from moepar.checkpoint.save import PendingSave, commit, save_checkpoint
@@ -44,4 +45,4 @@ from moepar.checkpoint.save import PendingSave, commit, save_checkpoint
 __all__ = ["save_checkpoint", "PendingSave", "load_checkpoint", "latest_checkpoint", "complete_steps",
            "verify_checkpoint", "commit", "recover_interrupted", "checkpoint_step",
            "CheckpointError", "read_canonical", "canonical_names", "read_state", "discard",
-           "set_aside", "MANIFEST", "INDEX", "STATE", "FORMAT"]
+           "set_aside", "plan_recovery", "MANIFEST", "INDEX", "STATE", "FORMAT"]

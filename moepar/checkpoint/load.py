@@ -3,29 +3,58 @@ hashed blocks those reads touch before any rank changes anything; plus whole-ten
 export and the state and manifest checks.
 """
 
-import json
 import math
 import os
+import re
 
 import torch
 
 from moepar.checkpoint.base import (INDEX, MANIFEST, STATE, CheckpointError, _everyone,
                                     _volume_ok, _world)
+from moepar.jsonfile import (ANY, FileError, Int, List, Map, Num, Obj, OneOf, Opt, Str,
+                             read_json)
 from moepar.parallel.shards import local_view
 from moepar.tensorfile import (DTYPES, TensorFileError, box_bytes, check_blocks, read_box,
                                read_header)
 
+# What a reader relies on in each small file, checked before anything is used (jsonfile.py).
+_HEX = Str(pattern=r"[0-9a-f]{64}")
+_DIGEST = OneOf(_HEX, Obj({"size": Int(), "sha256": _HEX, "block": Int(1),
+                           "blocks": List(_HEX, min_len=1)}, required=("size", "block", "blocks")),
+                kinds=(str, dict))
+MANIFEST_SCHEMA = Obj({"format": Int(1, 1 << 16), "step": ANY, "world_size": Int(0, 1 << 24),
+                       "files": Map(_DIGEST)}, required=("files",))
+_DIMS = List(Int(0, 1 << 62))
+_PIECE = Obj({"file": Str(), "key": Str(), "offsets": _DIMS, "sizes": _DIMS,
+              "data_offsets": List(Int(), 2, 2)}, required=("file", "key", "offsets", "sizes"))
+_ENTRY = OneOf(Str(), Obj({"shape": _DIMS, "dtype": Str(), "pieces": List(_PIECE)},
+                          required=("shape", "pieces")), kinds=(str, dict))
+INDEX_SCHEMA = Obj({"format": Int(1, 1 << 16), "model": Map(_ENTRY), "optimizer": Map(_ENTRY)},
+                   required=("model",))
+# step and data_position have their own check (_check_state); config sections are objects
+# whose keys the resume compares; a dataset fingerprint is sources and weights.
+STATE_SCHEMA = Obj({"config": Map(Map()), "loss_scale": Obj({"scale": Num(0), "finite_steps": Int()},
+                                                             required=("scale", "finite_steps")),
+                    "dataset": Opt(Obj({"sources": List(Map()), "weights": List(Num(0))},
+                                       required=("sources", "weights"))),
+                    "stop_reason": Str(), "layout": Str()}, required=("step",))
+_RNG_FILE = re.compile(r"^rng-r(\d{5})\.safetensors$")
 
-def _is_shape(shape) -> bool:
-    return isinstance(shape, list) and all(type(n) is int and n >= 0 for n in shape)
+
+def read_manifest(path: str) -> dict:
+    """A checkpoint folder's manifest.json, checked against MANIFEST_SCHEMA (CheckpointError)."""
+    try:
+        return read_json(os.path.join(path, MANIFEST), MANIFEST_SCHEMA)
+    except FileError as e:
+        raise CheckpointError(f"{e} ({MANIFEST} is unreadable)") from None
 
 
-def _is_piece(piece, ndim: int) -> bool:
-    """A stored piece's index entry has the fields and types a reader relies on."""
-    return (isinstance(piece, dict) and isinstance(piece.get("file"), str)
-            and isinstance(piece.get("key"), str)
-            and all(_is_shape(piece.get(k)) and len(piece[k]) == ndim
-                    for k in ("offsets", "sizes")))
+def manifest_files(path: str) -> list[str] | None:
+    """The files a folder's manifest lists, or None when it has no readable manifest."""
+    try:
+        return list(read_manifest(path)["files"])
+    except CheckpointError:
+        return None
 
 
 class _Checkpoint:
@@ -37,33 +66,30 @@ class _Checkpoint:
         manifest_path = os.path.join(path, MANIFEST)
         if not os.path.isfile(manifest_path):
             raise CheckpointError(f"checkpoint {path!r} has no {MANIFEST}: it was never committed")
-        try:
-            with open(manifest_path) as f:
-                manifest = json.load(f)
-            self.files = dict(manifest["files"])
-            self.world_size = int(manifest.get("world_size", 0))
-            self.step = manifest.get("step")
-        except (ValueError, KeyError, TypeError, OSError) as e:
-            raise CheckpointError(f"checkpoint {path!r}: {MANIFEST} is unreadable ({e})") from None
+        manifest = read_manifest(path)
+        self.files = manifest["files"]
+        self.world_size = manifest.get("world_size", 0)
+        self.step = manifest.get("step")
         for name in self.files:     # names only: nothing outside the folder is ever opened
-            if not isinstance(name, str) or os.path.basename(name) != name or name in ("", ".", ".."):
+            if os.path.basename(name) != name or name in ("", ".", ".."):
                 raise CheckpointError(f"checkpoint {path!r}: {MANIFEST} lists {name!r}, which is "
                                       "not a file name inside the checkpoint")
-        self.index = self._json(INDEX)
-        self.state = self._json(STATE)
-        if not isinstance(self.index, dict) or not isinstance(self.index.get("model"), dict):
-            raise CheckpointError(f"checkpoint {path!r}: {INDEX} has no 'model' section")
-        if not isinstance(self.state, dict):
-            raise CheckpointError(f"checkpoint {path!r}: {STATE} is not a JSON object")
+        rng = sorted(int(m.group(1)) for m in map(_RNG_FILE.match, self.files) if m)
+        if rng and rng != list(range(self.world_size)):
+            raise CheckpointError(f"checkpoint {path!r}: {MANIFEST} says world_size="
+                                  f"{self.world_size} but lists the RNG files of ranks "
+                                  f"{rng[:8]}{' ...' if len(rng) > 8 else ''} (one per rank "
+                                  "that wrote it)")
+        self.index = self._json(INDEX, INDEX_SCHEMA)
+        self.state = self._json(STATE, STATE_SCHEMA)
         self.headers = {}
 
-    def _json(self, name: str):
+    def _json(self, name: str, schema):
         self.verify(name)
         try:
-            with open(os.path.join(self.path, name)) as f:
-                return json.load(f)
-        except ValueError as e:
-            raise CheckpointError(f"checkpoint {self.path!r}: {name} is not valid JSON ({e})") from None
+            return read_json(os.path.join(self.path, name), schema)
+        except FileError as e:
+            raise CheckpointError(str(e)) from None
 
     def verify(self, name: str, ranges=None):
         if name not in self.files:
@@ -102,8 +128,8 @@ class _Checkpoint:
         except (KeyError, TypeError):
             raise CheckpointError(f"checkpoint {self.path!r}: {INDEX} entry {name!r} is "
                                   "malformed") from None
-        if not _is_shape(shape) or not all(_is_piece(p, len(shape)) for p in pieces) or \
-                not _volume_ok(pieces, shape, check_overlap=len(pieces) <= 256):
+        ranks_fit = all(len(p["offsets"]) == len(p["sizes"]) == len(shape) for p in pieces)
+        if not ranks_fit or not _volume_ok(pieces, shape, check_overlap=len(pieces) <= 256):
             raise CheckpointError(f"checkpoint {self.path!r}: {INDEX} entry {name!r} has pieces "
                                   f"that do not tile its shape {shape!r} (malformed or damaged)")
         return shape, pieces
@@ -118,6 +144,13 @@ class _Checkpoint:
         if list(entry["shape"]) != list(piece.get("sizes", [])):
             raise CheckpointError(f"checkpoint {self.path!r}: {key!r} in {file} has shape "
                                   f"{entry['shape']}, the index says {piece.get('sizes')}")
+        # The index records where the writer put each piece: a header changed after the save
+        # (two same-shape tensors' offsets swapped, the file re-hashed) disagrees with it.
+        if "data_offsets" in piece and piece["data_offsets"] != entry["data_offsets"]:
+            raise CheckpointError(f"checkpoint {self.path!r}: {key!r} in {file} lies at bytes "
+                                  f"{entry['data_offsets']} of the data, the index says "
+                                  f"{piece['data_offsets']} (its header was changed after the "
+                                  "save)")
         stored_dtype = DTYPES[entry["dtype"]][0]
         if stored_dtype.is_floating_point != want_dtype.is_floating_point:
             raise CheckpointError(f"checkpoint {self.path!r}: {name} is stored as "
@@ -190,10 +223,12 @@ def _local_engine(model):
     return Placement(model, Layout(ParallelDims(1), 0, device, None), canonical_tensors(model))
 
 
-def load_checkpoint(path: str, target, optimizer: bool = False, restore_rng: bool = True) -> dict:
+def load_checkpoint(path: str, target, optimizer: bool = False, restore_rng: bool = True,
+                    log=None) -> dict:
     """Restores the model (and AdamW state, RNG) of `target` (a ParallelModel, or a whole
     Transformer) in place after verifying; returns state.json's dict. Under bf16 training the
-    float32 masters are read, and the compute weights written from them.
+    float32 masters are read, and the compute weights written from them. A checkpoint of another
+    world size has no RNG state for this layout: `log` is told it is not restored.
 
     Every rank reads and verifies only what its shards need; all verdicts are gathered before
     anything changes, so either all ranks load or all raise the same CheckpointError."""
@@ -221,6 +256,10 @@ def load_checkpoint(path: str, target, optimizer: bool = False, restore_rng: boo
         rng_states = None
         if restore_rng and ckpt.world_size == _world(layout):
             rng_states = _read_rng(ckpt, f"rng-r{layout.rank:05d}.safetensors")
+        elif restore_rng and log is not None and layout.rank == 0:
+            log(f"note: {path} was written by {ckpt.world_size} rank(s), this run has "
+                f"{_world(layout)}: the random number generators are not restored (the data "
+                "order and the initial values do not depend on them)")
     except CheckpointError as e:
         error = str(e)
     errors = [e for e in _everyone(layout, error) if e]
@@ -297,6 +336,11 @@ def _read_rng(ckpt: _Checkpoint, file: str) -> dict:
         states[key] = read_box(os.path.join(ckpt.path, file), entry, start, [0], entry["shape"])
     if "torch_cpu" not in states:
         raise CheckpointError(f"checkpoint {ckpt.path!r}: {file} lacks the CPU RNG state")
+    try:      # on a scratch generator: a state torch refuses is found before anything changes
+        torch.Generator().set_state(states["torch_cpu"])
+    except RuntimeError as e:
+        raise CheckpointError(f"checkpoint {ckpt.path!r}: {file} holds a 'torch_cpu' RNG state "
+                              f"that torch refuses ({str(e).splitlines()[0]})") from None
     return states
 
 

@@ -13,9 +13,9 @@ import torch
 
 from moepar.checkpoint.base import (FORMAT, INDEX, MANIFEST, STATE, CheckpointError, _barrier,
                                     _broadcast, _gather_to_first, _volume_ok, _world)
-from moepar.checkpoint.folders import complete_steps, discard, set_aside
+from moepar.checkpoint.folders import MARKER, complete_steps, discard, mark, set_aside
 from moepar.parallel.shards import local_view
-from moepar.tensorfile import dtype_name, file_digest, write_tensors
+from moepar.tensorfile import data_offsets, dtype_name, file_digest, write_tensors
 
 
 class _HostStaging:
@@ -90,6 +90,7 @@ class PendingSave:
             if os.path.exists(self.tmp):     # a failed save of this step earlier in this process
                 set_aside(self.tmp)
             os.makedirs(self.tmp)
+            mark(self.tmp)                   # ours: recovery may commit or set it aside
         _barrier(layout)
         self.files, self.written = self._plan(background)
         self.error, self.thread = None, None
@@ -127,6 +128,13 @@ class PendingSave:
         files[optim_file] = entries
         files[rng_file] = [(k, v.dtype, tuple(v.shape), lambda v=v: v)
                            for k, v in _rng_state().items()]
+        for file, entries in files.items():   # where each piece lies, checked on load
+            spans = data_offsets(entries)
+            for section in ("model", "optimizer"):
+                for pieces in written[section].values():
+                    for piece in pieces:
+                        if piece["file"] == file:
+                            piece["data_offsets"] = spans[piece["key"]]
         if snapshot:     # own copies now: every tensor (step counts too) changes as training goes on
             files = {f: [(k, d, s, lambda v=produce().clone(): v) for k, d, s, produce in entries]
                      for f, entries in files.items()}
@@ -240,6 +248,9 @@ def commit(tmp: str, final: str, step: int, world_size: int = 1, known_hashes: d
     if os.path.exists(final):
         raise CheckpointError(f"{final} already exists; a checkpoint is never replaced")
     files = dict(known_hashes or {})
+    marker = os.path.join(tmp, MARKER)
+    if os.path.exists(marker):     # a committed checkpoint is recognised by its manifest
+        os.remove(marker)
     for name in sorted(os.listdir(tmp)):
         if name not in files:
             files[name] = file_digest(os.path.join(tmp, name))

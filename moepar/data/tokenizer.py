@@ -11,7 +11,6 @@ None found is an error that asks for `--eos-token`.
 """
 
 import hashlib
-import json
 import os
 from dataclasses import dataclass
 
@@ -51,16 +50,16 @@ def file_sha256(path: str) -> str:
 
 
 def _read_json(path: str) -> dict:
-    try:
-        with open(path, encoding="utf-8") as f:
-            data = json.load(f)
-    except (OSError, ValueError) as e:
-        raise ValueError(f"{path}: cannot read it as JSON: {e}") from None
+    from moepar.jsonfile import read_json
+    data = read_json(path)      # FileError (a ValueError) naming the file
     return data if isinstance(data, dict) else {}
 
 
 def _load_hf(path: str):
     from tokenizers import Tokenizer
+
+    from moepar.jsonfile import check_regular
+    check_regular(path, "--tokenizer")      # a FIFO would block the reader
     try:
         tok = Tokenizer.from_file(path)
     except Exception as e:   # the Rust side raises plain Exception subclasses with a message
@@ -107,7 +106,8 @@ def _find_eos(tok, folder: str) -> tuple[str, int, str]:
             eos_id = eos_id[0]
         if isinstance(eos_id, int) and tok.id_to_token(eos_id) is not None:
             return tok.id_to_token(eos_id), eos_id, name
-    spec = json.loads(tok.to_str())
+    from moepar.jsonfile import parse_json
+    spec = parse_json(tok.to_str(), f"{folder}: the tokenizer's own description")
     eos = _post_processor_eos(spec.get("post_processor"))
     if eos and tok.token_to_id(eos) is not None:
         return eos, tok.token_to_id(eos), "the post-processor's template"

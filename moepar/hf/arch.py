@@ -85,7 +85,8 @@ _WHOLE = _REQUIRED[1:] + (
     "n_routed_experts", "num_local_experts", "num_experts", "decoder_sparse_step",
     "first_k_dense_replace", "n_shared_experts", "shared_expert_intermediate_size",
     "max_position_embeddings", "q_lora_rank", "kv_lora_rank", "qk_nope_head_dim",
-    "qk_rope_head_dim", "v_head_dim", "n_group", "topk_group", "sliding_window")
+    "qk_rope_head_dim", "v_head_dim", "n_group", "topk_group", "sliding_window",
+    "num_nextn_predict_layers", "num_mtp_layers", "original_max_position_embeddings")
 _REAL = ("rope_theta", "rms_norm_eps", "initializer_range", "routed_scaling_factor",
          "router_aux_loss_coef")
 _FLAGS = ("tie_word_embeddings", "attention_bias", "qkv_bias", "norm_topk_prob",
@@ -96,11 +97,12 @@ def load_config_json(file: str) -> dict:
     """config.json as a dict whose settings have the types read_hf_config relies on; a
     ConversionError naming the file and the key otherwise (never a traceback)."""
     import math
+
+    from moepar.jsonfile import read_json
     try:
-        with open(file, "rb") as f:
-            cfg = json.loads(f.read())
-    except (OSError, ValueError) as e:
-        raise ConversionError(f"{file} is not valid JSON ({e})") from None
+        cfg = read_json(file)      # a regular file, nesting limited
+    except ValueError as e:
+        raise ConversionError(str(e)) from None
     if not isinstance(cfg, dict):
         raise ConversionError(f"{file} holds a JSON {type(cfg).__name__}, not an object of "
                               "settings")
@@ -127,7 +129,7 @@ def load_config_json(file: str) -> dict:
     for key in ("model_type", "hidden_act", "topk_method", "scoring_func"):
         if cfg.get(key) is not None and not isinstance(cfg[key], str):
             bad(key, "a string")
-    for key in ("rope_parameters", "rope_scaling"):
+    for key in ("rope_parameters", "rope_scaling", "quantization_config"):
         if cfg.get(key) is not None and not isinstance(cfg[key], dict):
             bad(key, "an object")
     layers = cfg.get("mlp_only_layers")
@@ -141,7 +143,7 @@ def load_hf_json(path: str) -> dict:
     """config.json of a HF folder, type-checked (load_config_json); a missing file is a
     ConversionError."""
     file = os.path.join(path, "config.json")
-    if not os.path.isfile(file):
+    if not os.path.lexists(file):
         raise ConversionError(f"{path!r} has no config.json")
     return load_config_json(file)
 

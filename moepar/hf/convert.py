@@ -33,6 +33,7 @@ from moepar.hf.arch import (ARCHS, ConversionError, arch_by_name, export_notes, 
                             load_hf_json, matching_archs, mtp_layers, read_hf_config,
                             router_loss_fields)
 from moepar.hf.fp8 import dequantized, quantization_block
+from moepar.jsonfile import FileError, Map, Obj, Str, read_json
 from moepar.hf.names import (canonical_to_hf, expected_canonical, hf_to_canonical, layer_index,
                              rope_interleaved)
 from moepar.layers.model import ModelConfig
@@ -53,21 +54,21 @@ def _shard_name(path: str, file) -> str:
     return file
 
 
+_INDEX_SCHEMA = Obj({"weight_map": Map(Str())}, required=("weight_map",))
+
+
 def source_files(path: str) -> list[tuple[str, dict]]:
     """[(shard file, its validated header {name: dtype, shape, data_offsets})] of a HF folder,
     checked against the index (every listed tensor where the index says, nothing unlisted)."""
     index = os.path.join(path, "model.safetensors.index.json")
-    if os.path.isfile(index):
+    if os.path.lexists(index):
         try:
-            with open(index, "rb") as f:
-                weight_map = json.loads(f.read())["weight_map"]
-            if not isinstance(weight_map, dict):
-                raise TypeError("weight_map is not an object")
-        except (OSError, ValueError, KeyError, TypeError) as e:
-            raise ConversionError(f"{index} is not a valid safetensors index ({e})") from None
+            weight_map = read_json(index, _INDEX_SCHEMA)["weight_map"]
+        except FileError as e:
+            raise ConversionError(f"{e} (not a valid safetensors index)") from None
         weight_map = {name: _shard_name(path, file) for name, file in weight_map.items()}
         files = sorted(set(weight_map.values()))
-    elif os.path.isfile(os.path.join(path, "model.safetensors")):
+    elif os.path.lexists(os.path.join(path, "model.safetensors")):   # read_header checks it
         weight_map, files = None, ["model.safetensors"]
     else:
         raise ConversionError(f"{path!r} has neither model.safetensors nor model.safetensors.index.json")
@@ -100,7 +101,7 @@ def hf_tensors(path: str, files: list | None = None):
                     if name in seen:
                         raise ConversionError(f"tensor {name!r} appears in more than one shard")
                     seen.add(name)
-                    yield name, f.get_tensor(name)
+                    yield name, _finite(f.get_tensor(name), name, file)
         except ConversionError:
             raise
         except Exception as e:    # the safetensors reader's own refusals (SafetensorError)
@@ -108,16 +109,27 @@ def hf_tensors(path: str, files: list | None = None):
     return seen
 
 
+def _finite(tensor: torch.Tensor, name: str, file: str) -> torch.Tensor:
+    """`tensor`, refused when it holds NaN or Inf (a model that computes NaN is not imported).
+    FP8 has no isfinite kernel: its NaN/Inf bit patterns are tested on the raw bytes."""
+    if not tensor.is_floating_point() or not tensor.numel():
+        return tensor
+    if tensor.element_size() == 1:
+        raw = tensor.view(torch.uint8)
+        mask = 0x7F if tensor.dtype == torch.float8_e4m3fn else 0x7C   # e4m3fn: NaN only
+        bad = bool(((raw & mask) == mask).any())
+    else:
+        bad = not bool(torch.isfinite(tensor).all())
+    if bad:
+        raise ConversionError(f"tensor {name!r} in {file} holds non-finite values (NaN or Inf); "
+                              "such a model computes NaN, so it is not imported")
+    return tensor
+
+
 def _available_memory() -> int:
     """Bytes of memory this machine can still give (MemAvailable), or 0 when unknown."""
-    try:
-        with open("/proc/meminfo") as f:
-            for line in f:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
-    except (OSError, ValueError, IndexError):
-        pass
-    return 0
+    from moepar.fits import available_bytes
+    return available_bytes("cpu")
 
 
 def _check_sizes(path: str, model_cfg: ModelConfig, files: list, element_bytes: int = 0):
@@ -375,22 +387,24 @@ def moepar_to_hf(src: str, dst: str, arch_name: str | None = None,
 
     The architecture: `arch_name`, else the source's (a converted HF model), else the one the
     model's options match; a model no architecture can say is refused, naming what it has."""
-    from moepar.checkpoint import canonical_names, read_canonical, verify_checkpoint
+    from moepar.checkpoint import canonical_names, read_canonical, read_state, verify_checkpoint
     if os.path.exists(dst):
         raise ConversionError(f"{dst!r} already exists; choose a new directory")
-    verify_checkpoint(src)
+    from moepar.config import model_sections
+    files = verify_checkpoint(src)
+    state = read_state(src)
     try:
-        with open(os.path.join(src, "state.json")) as f:
-            state = json.load(f)
-        config = state["config"]
-        model_cfg, router_cfg = ModelConfig(**config["model"]), RouterConfig(**config["router"])
-    except (KeyError, TypeError, ValueError) as e:
+        model_cfg, router_cfg = model_sections(state.get("config"), f"{src}/state.json")
+    except ValueError as e:
         raise ConversionError(f"{src!r}: state.json holds no usable model config ({e})") from None
     hf_config_file = os.path.join(src, "hf_config.json")
     source_cfg = None
-    if os.path.isfile(hf_config_file):
-        with open(hf_config_file) as f:
-            source_cfg = json.load(f)
+    if "hf_config.json" in files:      # verified with the rest; an unlisted one is not ours
+        from moepar.hf.arch import load_config_json
+        source_cfg = load_config_json(hf_config_file)
+    elif os.path.lexists(hf_config_file):
+        log(f"note: {hf_config_file} is not listed in {src}/manifest.json (it was added after "
+            "the checkpoint was written): not read; config.json is written from the model")
     fits = matching_archs(model_cfg, router_cfg)
     arch = arch_by_name(arch_name or (source_cfg or {}).get("model_type")
                         or (fits[0] if fits else "qwen3_moe"))   # none fits: qwen3_moe's refusal

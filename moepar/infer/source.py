@@ -21,7 +21,6 @@ The tokenizer follows the data the weights learned from:
 `--tokenizer` (or `tokenizer=`) overrides it; a source without one can still take token ids.
 """
 
-import json
 import os
 from dataclasses import dataclass
 
@@ -54,8 +53,8 @@ class Source:
 
 
 def is_hf_folder(path: str) -> bool:
-    return os.path.isfile(os.path.join(path, "config.json")) and any(
-        os.path.isfile(os.path.join(path, f))
+    return os.path.lexists(os.path.join(path, "config.json")) and any(   # readers check them
+        os.path.lexists(os.path.join(path, f))
         for f in ("model.safetensors", "model.safetensors.index.json"))
 
 
@@ -105,14 +104,20 @@ def build_model(source: Source, dtype=torch.float32, device="cpu", log=print):
     if source.kind == "hf":
         from moepar.hf import from_hf
         return from_hf(source.weights, dtype=dtype, log=log).model.to(device)  # routing: dropless
-    from moepar.layers import ModelConfig, RouterConfig, Transformer
+    from moepar.config import model_sections
+    from moepar.fits import check_fits
+    from moepar.layers import Transformer
     from moepar.layers.init import reset_rope_buffers
+    from moepar.plan.memory import param_count
     try:
-        model_cfg = ModelConfig(**source.config["model"])
-        router_cfg = dropless(RouterConfig(**source.config.get("router", {})))
-    except TypeError as e:
+        model_cfg, router_cfg = model_sections(source.config, f"{source.weights}/state.json")
+    except ValueError as e:
         raise SourceError(f"checkpoint {source.weights!r}: its model config does not fit this "
                           f"moepar ({e})") from None
+    router_cfg = dropless(router_cfg)
+    element = torch.empty((), dtype=dtype).element_size()
+    check_fits(param_count(model_cfg)["total"] * element, device,
+               f"the model of {source.weights} ({str(dtype).removeprefix('torch.')} weights)")
     with torch.device("meta"):      # every tensor comes from the checkpoint
         model = Transformer(model_cfg, router_cfg, seed=0)
     model = model.to(dtype).to_empty(device=device)
@@ -161,8 +166,10 @@ def _hf_tokenizer(folder_or_file: str, eos_ids: tuple[int, ...] | None, special:
     from tokenizers import Tokenizer as HFTokenizer
 
     from moepar.data.tokenizer import resolve_tokenizer
+    from moepar.jsonfile import check_regular
     spec = resolve_tokenizer(folder_or_file) if eos_ids is None else None
     path = spec.path if spec else folder_or_file
+    check_regular(path, "tokenizer")       # a FIFO would block the reader
     tok = HFTokenizer.from_file(path)
     tok.no_truncation()
     tok.no_padding()
@@ -172,12 +179,11 @@ def _hf_tokenizer(folder_or_file: str, eos_ids: tuple[int, ...] | None, special:
 
 
 def _generation_eos(folder: str) -> tuple[int, ...]:
+    from moepar.jsonfile import Obj, read_json
     path = os.path.join(folder, "generation_config.json")
-    try:
-        with open(path) as f:
-            ids = json.load(f).get("eos_token_id")
-    except (OSError, ValueError, AttributeError):
+    if not os.path.lexists(path):
         return ()
+    ids = read_json(path, Obj({}), "generation config").get("eos_token_id")
     ids = ids if isinstance(ids, list) else [ids]
     return tuple(i for i in ids if isinstance(i, int))
 

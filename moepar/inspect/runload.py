@@ -8,11 +8,12 @@ is not JSON is left out and reported (`RunLoad.torn_line`); any other bad line (
 of the wrong shape) means the file is damaged or foreign, and is refused with its line number.
 """
 
-import json
 import os
 from dataclasses import dataclass
 
 import numpy as np
+
+from moepar.jsonfile import open_regular, parse_json
 
 from moepar.metrics import LOAD_FILE, LOAD_FORMAT, LOAD_VERSION
 
@@ -57,7 +58,7 @@ def _check_dir(run_dir: str) -> str:
 
 def _header(path: str, line: str) -> tuple[list[int], int]:
     try:
-        header = json.loads(line)
+        header = parse_json(line, f"{path}:1")
         if header.get("format") != LOAD_FORMAT:
             raise ValueError
     except (ValueError, AttributeError):
@@ -90,8 +91,8 @@ def _matrix(record: dict, key: str, shape: tuple[int, ...]) -> np.ndarray:
 def read_run(run_dir: str) -> RunLoad:
     """The run's recorded expert loads; raises InspectError naming the problem."""
     path = _check_dir(run_dir)
-    with open(path, encoding="utf-8", errors="replace") as f:
-        lines = f.read().split("\n")
+    with open_regular(path) as f:
+        lines = f.read().decode("utf-8", errors="replace").split("\n")
     if lines and lines[-1] == "":
         lines.pop()                      # the newline that ends the last complete line
     if not lines:
@@ -105,12 +106,12 @@ def read_run(run_dir: str) -> RunLoad:
     torn = None
     for number, line in enumerate(lines[1:], start=2):
         try:
-            record = json.loads(line)
+            record = parse_json(line, f"{path}:{number}")
         except ValueError as e:
             if number == len(lines):     # only the last line can be torn by a crash mid-write
                 torn = number
                 break
-            raise InspectError(f"{path}:{number}: {e}") from None
+            raise InspectError(str(e)) from None
         try:
             if not isinstance(record, dict) or not isinstance(record.get("step"), int):
                 raise ValueError("no integer 'step'")

@@ -2,13 +2,13 @@
 (the file, or the folder holding it) of any architecture `moepar convert` reads; and the expert
 load factor a run measured (`--from-run RUN`)."""
 
-import json
 import math
 import os
 import shutil
 import tempfile
 
 from moepar.config import DataConfig, RunConfig, load_config, to_toml
+from moepar.jsonfile import open_regular, parse_json
 
 __all__ = ["load_model", "imbalance_from_run"]
 
@@ -52,12 +52,10 @@ def _load(path: str) -> tuple[RunConfig, str]:
 def _from_hf(folder: str) -> tuple[RunConfig, str]:
     from moepar.hf.arch import ConversionError, read_hf_config
     try:
-        with open(os.path.join(folder, "config.json")) as f:
-            json.load(f)
         arch, model, router = read_hf_config(folder)
-    except json.JSONDecodeError as e:
-        raise ValueError(f"{os.path.join(folder, 'config.json')} is not valid JSON: {e}") from None
-    except (ConversionError, KeyError, TypeError) as e:
+    except ConversionError as e:
+        raise ValueError(str(e)) from None
+    except (KeyError, TypeError) as e:
         what = f"missing key {e}" if isinstance(e, KeyError) else str(e)
         raise ValueError(f"{os.path.join(folder, 'config.json')}: {what}") from None
     if model.vocab_size < 256:
@@ -79,12 +77,12 @@ def imbalance_from_run(run_dir: str) -> tuple[float, str]:
         raise ValueError(f"--from-run {run_dir!r} has no metrics.jsonl (a run directory of "
                          "`moepar train` has one)")
     records = []
-    with open(path) as f:
+    with open_regular(path, "--from-run:") as f:
         for line in f:
             try:
-                record = json.loads(line)
+                record = parse_json(line, path)
                 ratio = float(record["max_load_ratio"])
-            except (ValueError, KeyError, TypeError):
+            except (ValueError, KeyError, TypeError, OverflowError):
                 continue        # a torn line from a crash, or a foreign one
             if not record.get("skipped") and math.isfinite(ratio) and ratio > 0:
                 records.append((record.get("step", len(records) + 1), ratio))

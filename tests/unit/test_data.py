@@ -99,7 +99,7 @@ def test_bad_index(tmp_path):
     for text, match in [("{not json", r"index\.json is not valid JSON"),
                         (json.dumps({**index, "format": "other"}), r"not a moepar token index"),
                         (json.dumps({**index, "version": 9}), r"has version 9"),
-                        (json.dumps({**index, "tokenizer": {}}), r"lacks a valid 'tokenizer.sha256'")]:
+                        (json.dumps({**index, "tokenizer": {}}), r"key 'tokenizer' lacks 'sha256'")]:
         open(index_path, "w").write(text)
         with pytest.raises(ValueError, match=match):
             PreparedFolder(folder, "data.path")

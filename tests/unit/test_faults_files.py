@@ -125,7 +125,8 @@ def test_index_pieces_that_do_not_tile_are_refused(saved, tmp_path):
     rehash(path, "index.json")
     trainer = fresh(tmp_path)
     before = snapshot(trainer)
-    with pytest.raises(CheckpointError, match="'embed.weight' has pieces that do not tile"):
+    with pytest.raises(CheckpointError, match=r"index.json: key 'model.embed.weight.pieces\[0\]"
+                                              r".offsets\[0\]' is '0', expected a whole number"):
         load_checkpoint(path, trainer.engine)
     assert_unchanged(trainer, before)
 
@@ -224,6 +225,10 @@ def test_config_json_too_big_for_its_files_is_refused_before_building(mixtral, t
     src = hf_copy(mixtral, tmp_path)
     config = json.loads((src / "config.json").read_text())
     config.update(num_hidden_layers=200_000, num_local_experts=5_000)
+    (src / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ConversionError, match=r"model.num_layers=200000 exceeds 1,024"):
+        hf_to_moepar(str(src), str(tmp_path / "out"), log=quiet)
+    config.update(num_hidden_layers=1_000)      # within the bounds, still no fit for the files
     (src / "config.json").write_text(json.dumps(config))
     with pytest.raises(ConversionError, match=r"config.json describes a model of .* parameters "
                                               r"but its safetensors files hold"):

@@ -156,10 +156,14 @@ def test_resume_without_a_complete_checkpoint_refuses_and_keeps_everything(tmp_p
     for step in (1, 2):          # both lose their manifests (damage, or an older format)
         os.remove(tmp_path / "checkpoints" / f"step_{step}" / "manifest.json")
     metrics = (tmp_path / "metrics.jsonl").read_bytes()
+    # Refused (exit 2) with nothing changed: the folders are still where they were ...
     with pytest.raises(RunDirError, match=r"run.resume=true but there is no complete checkpoint"
-                                          r".*step_1.incomplete-.*step_2.incomplete-"):
+                                          r".*holds step_1, step_2. Nothing was changed"):
         Trainer(tiny_config(tmp_path, "--train.steps=4", "--run.resume=true"), log=quiet)
     assert (tmp_path / "metrics.jsonl").read_bytes() == metrics
+    assert sorted(os.listdir(tmp_path / "checkpoints")) == ["step_1", "step_2"]
+    # ... and a start that goes ahead sets them aside, whole.
+    Trainer(tiny_config(tmp_path, "--train.steps=4", "--run.overwrite=true"), log=quiet).release()
     aside = sorted(os.listdir(tmp_path / "checkpoints"))
     assert [a.split(".")[0] for a in aside] == ["step_1", "step_2"]
     assert all(".incomplete-" in a for a in aside)

@@ -162,7 +162,7 @@ STEP = '{"step": %d, "tokens": [[3, 1]], "dropped": [0], "assigned": [4]}'
      "the model has no MoE layers"),
     (lambda d: write(d / "expert_load.jsonl", "\n".join([HEADER, STEP % 1, '{"step": 2, "tok',
                                                          STEP % 3]) + "\n"),
-     "expert_load.jsonl:3: Unterminated string"),
+     r"expert_load.jsonl:3 is not valid JSON \(Unterminated string"),
     (lambda d: write(d / "expert_load.jsonl", "\n".join([HEADER, STEP % 1, STEP % 1]) + "\n"),
      "expert_load.jsonl:3: step 1 after step 1"),
     (lambda d: write(d / "expert_load.jsonl", "\n".join(
