@@ -26,8 +26,9 @@ How moepar plan chooses (each rule is a constraint of the search or a cost in it
    stages, and memory: 1F1B keeps p - r micro-batches in flight on pipeline rank r (the first
    rank holds the most), interleaving keeps more. Layouts whose bubble exceeds --max-bubble
    are rejected.
-4. ZeRO when optimizer state dominates. moepar keeps float32 parameters (bfloat16 comes from
-   autocast): 4 bytes of parameters, 4 of gradients and 8 of AdamW state per element. ZeRO-1
+4. ZeRO when optimizer state dominates. moepar keeps float32 masters: 4 bytes of masters, 4 of
+   gradients and 8 of AdamW state per element (bfloat16 training adds 2 of compute weights,
+   unless ZeRO-3 gathers them per block). ZeRO-1
    shards the state over dp (dense) and edp (experts) for one all-gather of the parameters per
    step; ZeRO-2 also shards the gradients between steps (a reduce-scatter every micro-batch,
    with at most three buckets' flat gradient copies in flight); ZeRO-3 shards the parameters too,
@@ -36,11 +37,11 @@ How moepar plan chooses (each rule is a constraint of the search or a cost in it
 5. Recompute trades compute for activations: full recompute keeps each block's input only and
    adds one forward (about a third more compute); "attention" and "experts" rebuild only those
    regions (train.recompute).
-6. Under bfloat16 autocast each micro-batch keeps a bf16 copy of the matmul weights it used
-   (backward needs them), except that a pipeline rank with several micro-batches in flight and
-   no recompute casts once per step and shares that copy; recompute drops the copies of its
-   regions after their forward, and ZeRO-3 gathers the weights in bf16 and frees them after
-   use.
+6. Under bfloat16 training the compute weights are bf16 copies of the masters, written once
+   per optimizer step and kept (2 bytes per element, in every micro-batch's forward and
+   backward: none is cast per micro-batch); ZeRO-3 gathers them in bf16 per block instead and
+   frees them after use. The residual stream, and so the activations, are bf16 unless
+   train.fp32_residual keeps them float32.
 7. Among the layouts that fit, the fastest step wins; ties go to less memory."""
 
 
