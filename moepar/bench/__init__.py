@@ -147,6 +147,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--warmup", type=int, default=2, help="untimed steps first")
     p.add_argument("--peak-tflops", type=float, default=None,
                    help="the device's peak (default: the bf16 spec of a known GPU)")
+    p.add_argument("--against-hf", action="store_true",
+                   help="alternate steps with a plain PyTorch loop over transformers' "
+                        "MixtralForCausalLM of the same shapes and report the ratio")
+    p.add_argument("--hf-experts", default=None,
+                   help="transformers' experts_implementation for --against-hf (default: "
+                        "transformers' own default)")
     p.add_argument("--json", action="store_true", help="print one JSON object")
     return parser
 
@@ -166,7 +172,10 @@ def _relaunch(nproc: int, argv: list[str]) -> int:
 
 def main(argv: list[str]) -> int:
     parser = build_parser()
-    args = parser.parse_args(argv)
+    # `bench train` also takes the config overrides of `moepar train` (--section.key=value).
+    args, overrides = parser.parse_known_args(argv)
+    if overrides and args.what != "train":
+        parser.error(f"unrecognized arguments: {' '.join(overrides)}")
     if args.what == "pipeline":
         from moepar.bench import pipeline
         if not _launched():
@@ -186,7 +195,19 @@ def main(argv: list[str]) -> int:
     if args.what == "train":
         from moepar.bench.train import bench_train, print_result
         from moepar.config import load_config
-        cfg = load_config(args.config, [f"--train.device={args.device}"])
+        try:
+            cfg = load_config(args.config, [*overrides, f"--train.device={args.device}"])
+            if args.against_hf:
+                from moepar.bench.hf_baseline import hf_mixtral
+                hf_mixtral(cfg)          # refuses a model Mixtral cannot run, before any step
+        except ValueError as e:
+            print(f"moepar bench train: {e}", file=sys.stderr)
+            return 2
+        if args.against_hf:
+            from moepar.bench.hf_baseline import bench_against_hf, print_comparison
+            result = bench_against_hf(cfg, args.steps, args.warmup, args.hf_experts)
+            print(json.dumps(result)) if args.json else print_comparison(result)
+            return 0
         result = bench_train(cfg, args.steps, args.warmup, args.peak_tflops)
         print(json.dumps(result)) if args.json else print_result(result)
         return 0
