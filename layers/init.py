@@ -90,8 +90,9 @@ def _module_specs(model: Transformer) -> dict[str, InitSpec]:
         if isinstance(module, (Attention, MLA)):
             specs[f"{prefix}.o_proj.weight"] = InitSpec("normal", out_std)
         if isinstance(module, Attention):
-            # Full-model head counts (canonical_tensors takes an unsharded model).
-            rows = zip(("q_proj", "k_proj", "v_proj"), module.qkv_sizes(), strict=True)
+            hd = cfg.head_dim_resolved        # the whole model's heads, whatever a rank holds
+            sizes = (cfg.num_heads * hd, cfg.num_kv_heads * hd, cfg.num_kv_heads * hd)
+            rows = zip(("q_proj", "k_proj", "v_proj"), sizes, strict=True)
             specs[f"{prefix}.qkv_proj.weight"] = InitSpec(
                 "normal", std, tuple((f"{prefix}.{name}.weight", n) for name, n in rows))
         elif isinstance(module, FeedForward):

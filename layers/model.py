@@ -181,8 +181,8 @@ class Attention(nn.Module):
         bias = cfg.attention_bias
         self.qkv_proj = nn.Linear(cfg.dim, (cfg.num_heads + 2 * cfg.num_kv_heads) * hd, bias=bias)
         self.o_proj = nn.Linear(cfg.num_heads * hd, cfg.dim, bias=False)
-        # Each row block drawn as its own tensor, as layers/init.py draws them (same values as
-        # separate q/k/v projections).
+        # Placeholder values: layers/init.py draws the model's weights (Transformer.__init__, or
+        # each rank's shards), the q, k and v row blocks each under its own old name.
         nn.init.normal_(self.qkv_proj.weight, std=cfg.init_std)
         if bias:
             nn.init.zeros_(self.qkv_proj.bias)
