@@ -14,7 +14,12 @@ it holds (one at a time), and every layout starts from the same weights as one p
 | RMSNorm                | weight                          | ones                     |
 | nn.Linear, nn.Embedding| weight                          | normal(0, init_std)      |
 |   output projections   | attention o_proj, FFN w_out     | normal(0, init_std / sqrt(2 * layers)) |
-|   biases               | q/k/v bias                      | zeros                    |
+|   biases               | qkv bias                        | zeros                    |
+|   fused q/k/v          | attention qkv_proj weight       | its q, k, v row blocks   |
+|                        |                                 | drawn as `q_proj.weight`,|
+|                        |                                 | `k_proj.weight`, `v_proj.|
+|                        |                                 | weight` each (the values |
+|                        |                                 | of separate projections) |
 | routers                | weight                          | normal(0, 0.02)          |
 |                        | expert_bias_E (buffer)          | zeros                    |
 | GroupedExperts         | w_in per expert / w_out per exp.| normal(init_std) / normal(output std) |
@@ -41,6 +46,8 @@ ROUTER_STD = 0.02
 class InitSpec(NamedTuple):
     kind: str            # "normal", "ones" or "zeros"
     std: float = 0.0
+    # A tensor fused from parts along dim 0: ((name each part is drawn under, its rows), ...).
+    parts: tuple = ()
 
 
 class CanonicalTensor(NamedTuple):
@@ -82,6 +89,12 @@ def _module_specs(model: Transformer) -> dict[str, InitSpec]:
     for prefix, module in model.named_modules():
         if isinstance(module, (Attention, MLA)):
             specs[f"{prefix}.o_proj.weight"] = InitSpec("normal", out_std)
+        if isinstance(module, Attention):
+            hd = cfg.head_dim_resolved        # the whole model's heads, whatever a rank holds
+            sizes = (cfg.num_heads * hd, cfg.num_kv_heads * hd, cfg.num_kv_heads * hd)
+            rows = zip(("q_proj", "k_proj", "v_proj"), sizes, strict=True)
+            specs[f"{prefix}.qkv_proj.weight"] = InitSpec(
+                "normal", std, tuple((f"{prefix}.{name}.weight", n) for name, n in rows))
         elif isinstance(module, FeedForward):
             specs[f"{prefix}.w_out.weight"] = InitSpec("normal", out_std)
         elif isinstance(module, SharedExperts) and module.gate is not None:
@@ -119,8 +132,13 @@ def _seed(seed: int, name: str) -> int:
 def draw(name: str, tensor: CanonicalTensor, seed: int) -> torch.Tensor:
     """The initial value of canonical tensor `name` on the host: a pure function of (seed, name).
 
-    Normal values are drawn in float64 for float64 models and in float32 otherwise, then cast."""
-    kind, std = tensor.init
+    Normal values are drawn in float64 for float64 models and in float32 otherwise, then cast.
+    A fused tensor (init.parts) is its parts, each drawn under its own name, concatenated."""
+    kind, std, parts = tensor.init
+    if parts:
+        return torch.cat([draw(part, tensor._replace(shape=(rows,) + tensor.shape[1:],
+                                                     init=InitSpec(kind, std)), seed)
+                          for part, rows in parts])
     if kind == "ones":
         return torch.ones(tensor.shape, dtype=tensor.dtype)
     if kind == "zeros":

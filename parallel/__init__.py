@@ -19,6 +19,7 @@ from moepar.layers.init import canonical_tensors
 from .checkpointing import apply_activation_checkpointing, apply_recompute
 from .ddp import OverlappedReducer
 from .dims import Layout, ParallelDims
+from .grads import rows_of
 from .expert import apply_ep
 from .handle import ParallelModel
 from .local_runner import LocalRunner
@@ -115,8 +116,8 @@ class LocalSync:
 
     dense_axes, expert_axes = (), ()
 
-    def grad_view(self, p):
-        return self.masters.master(p).grad
+    def grad_view(self, p, rows=None):
+        return rows_of(self.masters.master(p).grad, rows)
 
 
 _WIRE = {"": None, "float32": torch.float32, "bfloat16": torch.bfloat16}

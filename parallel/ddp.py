@@ -30,7 +30,7 @@ added into its master's view of the flat buffer by the masters' hook, which then
 import torch
 import torch.distributed as dist
 
-from .grads import split_parameters
+from .grads import rows_of, split_parameters
 from .precision import Masters
 
 __all__ = ["OverlappedReducer", "ALIGN", "align"]
@@ -112,9 +112,10 @@ class OverlappedReducer:
     # (grads.grad_norm_groups adds ep, tp and pp).
     dense_axes, expert_axes = (), ()
 
-    def grad_view(self, p):
-        """Where model parameter p's gradient lives after the sync (its master's)."""
-        return self.masters.master(p).grad
+    def grad_view(self, p, rows=None):
+        """Where model parameter p's gradient (of rows [start, stop) of dim 0 when `rows`) lives
+        after the sync (its master's)."""
+        return rows_of(self.masters.master(p).grad, rows)
 
     # -- overlap machinery --------------------------------------------------------------------
     def arm(self):

@@ -15,6 +15,7 @@ plain step-end form, kept as the reference the overlapped one is tested against.
 """
 
 import math
+from typing import NamedTuple
 
 import torch
 import torch.distributed as dist
@@ -22,7 +23,34 @@ import torch.distributed as dist
 from moepar.layers.experts import GroupedExperts
 
 __all__ = ["split_parameters", "reduce_gradients", "clip_grad_norm", "all_reduce_sum",
-           "grad_norm_groups"]
+           "grad_norm_groups", "Rows", "rows_of"]
+
+
+class Rows(NamedTuple):
+    """Rows [start, stop) of a parameter's dim 0: a part of one parameter that is replicated
+    differently from the rest (tensor.py: the k and v rows of a fused qkv_proj whose kv heads are
+    shared by several tp ranks). Gradient syncs' grad_view(param, (start, stop)) find its
+    gradient wherever it lives."""
+    param: torch.nn.Parameter
+    start: int
+    stop: int
+
+    @property
+    def grad(self):
+        """The rows of param.grad (a view), or None."""
+        g = self.param.grad
+        return None if g is None else g[self.start:self.stop]
+
+
+def rows_of(grad, rows):
+    """grad[start:stop] for rows (start, stop); grad itself for None (or a None grad)."""
+    return grad if grad is None or rows is None else grad[rows[0]:rows[1]]
+
+
+def _grad_of(sync, p):
+    if isinstance(p, Rows):
+        return sync.grad_view(p.param, (p.start, p.stop))
+    return sync.grad_view(p)
 
 
 def split_parameters(model):
@@ -80,7 +108,7 @@ def grad_norm_groups(model, sync, dims, tp_split=None):
     pp = ("pp",) if dims is not None and dims.pp > 1 else ()
 
     def views(params):
-        return [g for g in map(sync.grad_view, params) if g is not None]
+        return [g for g in (_grad_of(sync, p) for p in params) if g is not None]
 
     return [(views(replicated), sync.dense_axes + pp),
             (views(sharded), sync.dense_axes + ("tp",) + pp),

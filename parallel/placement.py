@@ -75,16 +75,17 @@ class Placement:
             writes = fsdp or not data_replicas or coords.edp == 0
         else:
             segments = whole_segments(name, self.canonical[name].shape)
-            if spec is not None and tensor.dim() > 0:
+            if spec is not None and tensor.dim() > 0:   # marks the replicas that do not write
                 segments = tp_segments(segments, spec, coords.tp)
-            tp_ok = coords.tp % spec.replicas == 0 if spec is not None else coords.tp == 0
-            writes = tp_ok and (fsdp or not data_replicas or coords.dp == 0)
+            elif spec is None and coords.tp != 0:       # whole on every tp rank: the first writes
+                segments = [dataclasses.replace(s, writes=False) for s in segments]
+            writes = fsdp or not data_replicas or coords.dp == 0
         if fsdp:
             (placement,) = tensor.placements
             mesh = tensor.device_mesh
             segments = fsdp_segments(segments, placement.dim, tensor.shape[placement.dim],
                                      mesh.size(), mesh.get_local_rank())
-        return [dataclasses.replace(s, writes=writes) for s in segments]
+        return [dataclasses.replace(s, writes=writes and s.writes) for s in segments]
 
     def master(self, p):
         return p if self.masters is None else self.masters.master(p)

@@ -14,6 +14,8 @@ local tensor. How the local tensor came to be:
 |                       | d > 0 is canonical dim d - 1                     |                               |
 | tensor parallel       | along spec.dim: `chunks` blocks of this rank's   | one per block, padding cut    |
 |   (TPShard)           | piece of each chunk of the (padded) tensor       |                               |
+| fused tp (FusedShard) | along dim 0: this rank's piece of each part,     | per part as above, shifted    |
+|                       | concatenated (qkv_proj: q, k, v heads)           | to the part's rows            |
 | FSDP2 Shard(d)        | a torch.chunk of the above along d               | intersected, shifted          |
 | ZeRO-1/2 flat shard   | a 1-D range of the flat bucket buffer            | contiguous boxes of each param|
 
@@ -101,13 +103,40 @@ def whole_segments(name: str, shape: tuple, expert_names: list[str] | None = Non
             for e, expert in enumerate(expert_names)]
 
 
+def _fused_tp_segments(segments: list[Segment], spec, tp_rank: int) -> list[Segment]:
+    """tp_segments of a FusedShard: each part's pieces, moved to the part's canonical rows and
+    to its place in the local tensor."""
+    out, canon_start, local_start = [], 0, 0
+    d = spec.dim
+    for size, local_size, part in zip(spec.sizes, spec.local_sizes, spec.parts, strict=True):
+        for seg in segments:
+            cd = _canon_dim(seg, d)
+            sizes = list(seg.canon.sizes)
+            sizes[cd] = size
+            whole = replace(seg, canon=Box(seg.canon.offsets, tuple(sizes)),
+                            local=Box(seg.local.offsets, tuple(sizes)))
+            for piece in tp_segments([whole], part, tp_rank):
+                canon_off, local_off = list(piece.canon.offsets), list(piece.local.offsets)
+                canon_off[cd] += canon_start
+                local_off[d] += local_start
+                out.append(replace(piece, canon=Box(tuple(canon_off), piece.canon.sizes),
+                                   local=Box(tuple(local_off), piece.local.sizes)))
+        canon_start, local_start = canon_start + size, local_start + local_size
+    return out
+
+
 def tp_segments(segments: list[Segment], spec, tp_rank: int) -> list[Segment]:
     """Segments of a tensor-parallel piece (parallel/tensor.py TPShard) of whole-tensor segments.
 
     Along spec.dim the canonical length F is padded to Fp, cut into `chunks` blocks of Fp/chunks,
     each block into num_pieces pieces; this rank holds piece tp_rank // replicas of every block,
-    concatenated. Rows in the padding have no canonical place and are dropped here."""
+    concatenated. Rows in the padding have no canonical place and are dropped here. Of the
+    replicas of a piece, only the first writes it (`writes`). A FusedShard (qkv_proj) is its
+    parts' pieces, each part by its own TPShard."""
+    if hasattr(spec, "parts"):
+        return _fused_tp_segments(segments, spec, tp_rank)
     out = []
+    first_holder = tp_rank % spec.replicas == 0
     piece = tp_rank // spec.replicas
     for seg in segments:
         d = spec.dim
@@ -125,7 +154,8 @@ def tp_segments(segments: list[Segment], spec, tp_rank: int) -> list[Segment]:
             canon_off[_canon_dim(seg, d)] = canon_start
             canon_size[_canon_dim(seg, d)] = canon_stop - canon_start
             out.append(replace(seg, local=Box(tuple(local_off), tuple(local_size)),
-                               canon=Box(tuple(canon_off), tuple(canon_size))))
+                               canon=Box(tuple(canon_off), tuple(canon_size)),
+                               writes=seg.writes and first_holder))
     return out
 
 

@@ -21,10 +21,11 @@ the way in and reduce-scatter it on the way out:
 
 | parameter                                     | on each tp rank                     | TPShard        |
 |-----------------------------------------------|-------------------------------------|----------------|
-| q_proj, MLA q_proj / q_b_proj / kv_b_proj     | its H/tp heads (rows)               | dim 0          |
-| k_proj, v_proj, their biases                  | G/tp heads when tp divides G; when  | dim 0          |
-|                                               | G < tp, the one head its q heads    | (replicas      |
-|                                               | read, shared by tp/G ranks          |  tp/G)         |
+| qkv_proj [q; k; v] and its bias               | [its H/tp q heads; the k heads, the | FusedShard:    |
+|                                               | v heads they read]: G/tp kv heads   | dim 0, parts   |
+|                                               | when tp divides G; when G < tp, the | q, k, v (k, v: |
+|                                               | one kv head, shared by tp/G ranks   | replicas tp/G) |
+| MLA q_proj / q_b_proj / kv_b_proj             | its H/tp heads (rows)               | dim 0          |
 | o_proj, dense w_out                           | columns of its heads / hidden units | dim 1          |
 | dense w_in (SwiGLU [gate; up])                | F/tp rows of gate and of up         | dim 0, 2 chunks|
 | "full" q_norm, k_norm                         | its heads' features                 | dim 0 (k: as k)|
@@ -37,8 +38,8 @@ Which parameters are sharded is decided by the module that owns them (the classe
 `VocabParallelEmbedding`, `GroupedExperts`), never by attributes on parameters. Replicated
 parameters see a slice of the tokens (or heads) on each rank, and a kv head shared by tp/G
 ranks sees their q heads only, so those gradients are partial: `reduce_sequence_parallel_grads`
-sums them (over tp, and over each kv head's replicas) once per step, after backward, in one
-all-reduce. Sums commute, so it may run before or after the data-parallel mean. Expert
+sums them (over tp, and over each kv head's replicas: the k and v rows of qkv_proj, `Rows`) once
+per step, after backward, in one all-reduce. Sums commute, so it may run before or after the data-parallel mean. Expert
 gradients are not summed here: `edp` already spans the tp ranks of an expert's ep group.
 """
 
@@ -54,11 +55,11 @@ from moepar.layers.mla import MLA
 from moepar.layers.model import Attention, Transformer
 
 from .comm import all_gather_rows, group_size, reduce_scatter_rows, to_wire
-from .grads import all_reduce_sum
+from .grads import Rows, all_reduce_sum, rows_of
 from .sequence_router import use_token_group
 from .vocab import VocabParallelEmbedding, padded_vocab_size
 
-__all__ = ["TPShard", "copy_to_tp", "reduce_from_tp", "gather_sequence", "scatter_sequence",
+__all__ = ["TPShard", "FusedShard", "copy_to_tp", "reduce_from_tp", "gather_sequence", "scatter_sequence",
            "ColumnParallelLinear", "RowParallelLinear", "ShardedRMSNorm", "check_tp", "apply_tp",
            "tp_shard_spec", "local_shard", "full_tensor", "tp_norm_parameters",
            "reduce_sequence_parallel_grads", "SequenceTokenGroup"]
@@ -137,8 +138,48 @@ class TPShard:
         return self.tp // self.replicas
 
 
-def local_shard(full: torch.Tensor, spec: TPShard, tp_rank: int) -> torch.Tensor:
+@dataclass(frozen=True)
+class FusedShard:
+    """A tensor fused along dim 0 from parts of canonical lengths `sizes`, each cut by its own
+    TPShard (qkv_proj: q by heads, k and v by kv heads, possibly replicated): rank r holds its
+    piece of every part, concatenated in part order, so its q heads and the kv heads they read
+    stay together and the local forward splits its own output."""
+    sizes: tuple[int, ...]
+    parts: tuple[TPShard, ...]
+    dim: int = 0
+
+    def __post_init__(self):
+        bad = [p for n, p in zip(self.sizes, self.parts, strict=True)
+               if p.dim != self.dim or p.chunks != 1 or p.padding or n % p.num_pieces]
+        if bad or len({p.tp for p in self.parts}) != 1:
+            raise ValueError(f"{self}: parts must be plain pieces along dim {self.dim} over one tp")
+
+    @property
+    def tp(self) -> int:
+        return self.parts[0].tp
+
+    @property
+    def local_sizes(self) -> tuple[int, ...]:
+        return tuple(n // p.num_pieces for n, p in zip(self.sizes, self.parts, strict=True))
+
+    def replica_rows(self) -> list[tuple[int, int, int]]:
+        """[(start, stop, replicas)]: local rows along dim 0 grouped by how many tp ranks hold
+        them (adjacent parts with the same count merged)."""
+        out, start = [], 0
+        for n, part in zip(self.local_sizes, self.parts, strict=True):
+            if out and out[-1][2] == part.replicas:
+                out[-1] = (out[-1][0], start + n, part.replicas)
+            else:
+                out.append((start, start + n, part.replicas))
+            start += n
+        return out
+
+
+def local_shard(full: torch.Tensor, spec: TPShard | FusedShard, tp_rank: int) -> torch.Tensor:
     """This rank's piece of a full (canonical) tensor; pure, no communication."""
+    if isinstance(spec, FusedShard):
+        return torch.cat([local_shard(part, s, tp_rank) for part, s in
+                          zip(full.split(spec.sizes, spec.dim), spec.parts, strict=True)], spec.dim)
     if spec.padding:
         pad_shape = list(full.shape)
         pad_shape[spec.dim] = spec.padding
@@ -154,6 +195,10 @@ def full_tensor(local: torch.Tensor, spec: TPShard, group) -> torch.Tensor:
 
     Forward only (tests compare against whole tensors with it): all_gather over `group`; every tp
     rank must call it, in the same order."""
+    if isinstance(spec, FusedShard):
+        return torch.cat([full_tensor(part, s, group) for part, s in
+                          zip(local.split(spec.local_sizes, spec.dim), spec.parts, strict=True)],
+                         spec.dim)
     pieces = [torch.empty_like(local) for _ in range(spec.tp)]
     if spec.tp > 1:
         dist.all_gather(pieces, local.contiguous(), group=group)
@@ -170,7 +215,7 @@ class ColumnParallelLinear(nn.Module):
     """y = x @ W_local.T + b_local: this rank's output features of the full sequence (no
     communication here; the caller gathers the sequence first)."""
 
-    def __init__(self, linear: nn.Linear, spec: TPShard, tp_rank: int):
+    def __init__(self, linear: nn.Linear, spec: TPShard | FusedShard, tp_rank: int):
         super().__init__()
         self.spec = spec
         self.weight = nn.Parameter(local_shard(linear.weight.detach(), spec, tp_rank))
@@ -307,9 +352,9 @@ def _shard_attention(attn: Attention, tp: int, rank: int, group):
     heads, kv = attn.num_heads, attn.num_kv_heads
     # G < tp: rank r's q heads all read kv head r // (tp/G), held by those tp/G ranks alike.
     q_spec, kv_spec = TPShard(0, tp), TPShard(0, tp, replicas=max(tp // kv, 1))
-    attn.q_proj = ColumnParallelLinear(attn.q_proj, q_spec, rank)
-    attn.k_proj = ColumnParallelLinear(attn.k_proj, kv_spec, rank)
-    attn.v_proj = ColumnParallelLinear(attn.v_proj, kv_spec, rank)
+    # Not a contiguous slice of the fused rows: each rank's q heads, then its k and v heads.
+    qkv_spec = FusedShard(attn.qkv_sizes(), (q_spec, kv_spec, kv_spec))
+    attn.qkv_proj = ColumnParallelLinear(attn.qkv_proj, qkv_spec, rank)
     if attn.qk_norm == "full":
         attn.q_norm = ShardedRMSNorm(attn.q_norm, q_spec, rank, group)
         attn.k_norm = ShardedRMSNorm(attn.k_norm, kv_spec, rank, group)
@@ -392,7 +437,7 @@ class SequenceTokenGroup:
 
 # ---- gradients and checkpoints --------------------------------------------------------------
 
-def tp_shard_spec(model) -> dict[str, TPShard]:
+def tp_shard_spec(model) -> dict[str, TPShard | FusedShard]:
     """{canonical parameter name: TPShard} for every tensor-parallel-sharded parameter; the rest
     are whole on every tp rank. Optimizer states of a parameter share its spec."""
     return {f"{prefix}.{name}": module.spec
@@ -409,16 +454,33 @@ def _split(model):
     return sharded, [p for p in model.parameters() if id(p) not in skip]
 
 
+def _replica_pieces(p, spec):
+    """[(p or Rows of p, replicas)]: a sharded parameter as parts of one replica count each (a
+    fused qkv_proj whose kv heads are shared by tp/G ranks: its q rows, then its k and v rows)."""
+    if isinstance(spec, FusedShard):
+        rows = spec.replica_rows()
+        if len(rows) > 1:
+            return [(Rows(p, start, stop), replicas) for start, stop, replicas in rows]
+        return [(p, rows[0][2])]
+    return [(p, spec.replicas)]
+
+
 def tp_norm_parameters(model, group):
     """(sharded, replicated, extra replicas) for a global gradient norm: sum the squares of
     `sharded` over tp (a piece held by several ranks is listed on the first of them only), count
     `replicated` once (equal on every tp rank after reduce_sequence_parallel_grads), and clip but
-    do not count the other holders' copies of a shared piece. Routed experts are in none of the
-    lists (grads.py's expert group covers them)."""
+    do not count the other holders' copies of a shared piece. A parameter whose rows differ in
+    that (qkv_proj with shared kv heads) is listed as its `Rows`. Routed experts are in none of
+    the lists (grads.py's expert group covers them)."""
     tp_rank = dist.get_rank(group) if group_size(group) > 1 else 0
     sharded, replicated = _split(model)
-    first = [p for p, spec in sharded if tp_rank % spec.replicas == 0]
-    return first, replicated, [p for p, spec in sharded if tp_rank % spec.replicas]
+    pieces = [piece for p, spec in sharded for piece in _replica_pieces(p, spec)]
+    first = [p for p, replicas in pieces if tp_rank % replicas == 0]
+    return first, replicated, [p for p, replicas in pieces if tp_rank % replicas]
+
+
+def _own_grad(p, rows=None):
+    return rows_of(p.grad, rows)
 
 
 def reduce_sequence_parallel_grads(model, group, grad_view=None):
@@ -427,20 +489,26 @@ def reduce_sequence_parallel_grads(model, group, grad_view=None):
     a kv piece held by tp/G ranks over those ranks (it travels in a zero slot per piece, so one
     all-reduce serves every replica set).
 
-    `grad_view(p)` is where p's gradient lives on this rank: p.grad by default, or under ZeRO this
-    rank's part of its data-parallel shard (the same part on every tp rank of a dp rank). Sums
-    commute, so this may run before or after the data-parallel reduction."""
-    grad_view = grad_view or (lambda p: p.grad)
+    `grad_view(p, rows=None)` is where p's gradient (of rows [start, stop) of dim 0) lives on
+    this rank: p.grad by default, or under ZeRO this rank's part of its data-parallel shard (the
+    same part on every tp rank of a dp rank). Sums commute, so this may run before or after the
+    data-parallel reduction."""
+    grad_view = grad_view or _own_grad
     sharded, replicated = _split(model)
     grads = [g for g in map(grad_view, replicated) if g is not None]
-    slots = []   # (grad, spec, zero-filled [pieces, numel] buffer) for kv pieces
-    tp_rank = dist.get_rank(group) if group_size(group) > 1 else 0
+    slots = []   # (grad, replicas, zero-filled [pieces, numel] buffer) for kv pieces
+    tp = group_size(group)
+    tp_rank = dist.get_rank(group) if tp > 1 else 0
     for p, spec in sharded:
-        grad = grad_view(p)
-        if spec.replicas > 1 and grad is not None:
-            buffer = grad.new_zeros(spec.num_pieces, grad.numel())
-            buffer[tp_rank // spec.replicas].copy_(grad.reshape(-1))
-            slots.append((grad, spec, buffer))
+        for piece, replicas in _replica_pieces(p, spec):
+            if replicas == 1:
+                continue
+            grad = (grad_view(piece.param, (piece.start, piece.stop)) if isinstance(piece, Rows)
+                    else grad_view(piece))
+            if grad is not None:
+                buffer = grad.new_zeros(tp // replicas, grad.numel())
+                buffer[tp_rank // replicas].copy_(grad.reshape(-1))
+                slots.append((grad, replicas, buffer))
     all_reduce_sum(grads + [buffer for _, _, buffer in slots], group)
-    for grad, spec, buffer in slots:
-        grad.copy_(buffer[tp_rank // spec.replicas].view_as(grad))
+    for grad, replicas, buffer in slots:
+        grad.copy_(buffer[tp_rank // replicas].view_as(grad))

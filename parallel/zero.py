@@ -39,6 +39,7 @@ from torch import nn
 
 from . import comm
 from .ddp import OverlappedReducer, align
+from .shards import fsdp_range
 
 __all__ = ["ZeroReducer", "ShardedAdamW", "FullyShardedSync"]
 
@@ -99,16 +100,19 @@ class ZeroReducer(OverlappedReducer):
 
     dense_axes, expert_axes = ("dp",), ("edp",)
 
-    def grad_view(self, p):
-        """The part of model parameter p's gradient in this rank's shard (possibly empty), or
-        None."""
+    def grad_view(self, p, rows=None):
+        """The part of model parameter p's gradient (of rows [start, stop) of dim 0 when `rows`)
+        in this rank's shard (possibly empty), or None."""
         p = self.masters.master(p)
         b = self.bucket_of[id(p)]
         if b.shard.grad is None:
             return None
-        start = b.offsets[id(p)]
+        start, end = b.offsets[id(p)], b.offsets[id(p)] + p.numel()
+        if rows is not None:     # rows are contiguous in the flat buffer
+            row = p.numel() // p.shape[0]
+            start, end = start + rows[0] * row, start + rows[1] * row
         lo, hi = b.mine.start, b.mine.stop
-        first, last = max(start, lo), min(start + p.numel(), hi)
+        first, last = max(start, lo), min(end, hi)
         return b.shard.grad[first - lo:max(first, last) - lo]
 
     def _launch(self, b):
@@ -242,5 +246,14 @@ class FullyShardedSync:
 
     dense_axes, expert_axes = ("dp",), ("edp",)
 
-    def grad_view(self, p):
-        return None if p.grad is None else p.grad.to_local()
+    def grad_view(self, p, rows=None):
+        if p.grad is None:
+            return None
+        local = p.grad.to_local()
+        (placement,) = p.placements
+        if rows is None or placement.dim != 0:    # every row here (or a slice of each row)
+            return local if rows is None else local[rows[0]:rows[1]]
+        # This rank's FSDP2 chunk holds rows [c0, c1) of dim 0 (torch.chunk sizes).
+        c0, c1 = fsdp_range(p.shape[0], p.device_mesh.size(), p.device_mesh.get_local_rank())
+        a, b = max(rows[0], c0), min(rows[1], c1)
+        return local[a - c0:max(a, b) - c0]

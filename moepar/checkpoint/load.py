@@ -39,6 +39,9 @@ STATE_SCHEMA = Obj({"config": Map(Map()), "loss_scale": Obj({"scale": Num(0), "f
                                        required=("sources", "weights"))),
                     "stop_reason": Str(), "layout": Str()}, required=("step",))
 _RNG_FILE = re.compile(r"^rng-r(\d{5})\.safetensors$")
+# Attention's separate q/k/v projections, as checkpoints held them before one qkv_proj replaced
+# them (MLA's q_proj is another tensor: the model then has no qkv_proj of that name).
+_UNFUSED = re.compile(r"^(.*\.attn)\.[qkv]_proj\.(weight|bias)$")
 
 
 def read_manifest(path: str) -> dict:
@@ -240,6 +243,13 @@ def load_checkpoint(path: str, target, optimizer: bool = False, restore_rng: boo
         ckpt = _Checkpoint(path)
         state = ckpt.state
         extra = sorted(set(ckpt.index["model"]) - set(canonical))
+        unfused = [n for n in extra if _UNFUSED.match(n)
+                   and _UNFUSED.sub(r"\1.qkv_proj.\2", n) in canonical]
+        if unfused:
+            raise CheckpointError(
+                f"checkpoint {path!r} holds attention's q, k and v as separate tensors (e.g. "
+                f"{unfused[0]!r}): it was written before they became one fused qkv_proj, and "
+                "is not read (docs/checkpoints.md: tensor names)")
         if extra:
             raise CheckpointError(f"checkpoint {path!r} has tensors the model lacks: {extra[:5]}")
         model_reads = _plan_reads(ckpt, "model", engine.model_shards(), canonical,

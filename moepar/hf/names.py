@@ -1,8 +1,10 @@
 """Tensor names both ways: Hugging Face checkpoints <-> moepar's canonical (layout-free) names.
 
 `hf_to_canonical` and `canonical_to_hf` stream tensors, holding only a gate projection until its
-up projection arrives (an expert's gate and up become one `w_in`); DeepSeek's interleaved RoPE
-rows are permuted into rotate-half halves on the way in and back on the way out.
+up projection arrives (an expert's gate and up become one `w_in`), and q and k until v arrives
+(HF's separate q_proj, k_proj, v_proj become one `qkv_proj` along dim 0; export splits it again);
+DeepSeek's interleaved RoPE rows are permuted into rotate-half halves on the way in and back on
+the way out.
 """
 
 import re
@@ -48,7 +50,8 @@ def _hf_role(arch: Arch, cfg: ModelConfig, name: str):
     """(canonical name, role, part) for an HF tensor name, or None if unknown.
 
     Roles: copy; cat_t (expert w_in = [gate^T | up^T], part 0/1); t (transpose: expert w_out);
-    cat0 (Linear w_in = [gate; up] along dim 0, part 0/1); stacked_gate_up / stacked_down.
+    cat0 (Linear w_in = [gate; up] along dim 0, part 0/1); qkv (attention qkv_proj = [q; k; v]
+    along dim 0, part 0/1/2); stacked_gate_up / stacked_down.
     """
     if name in _TOP:
         return _TOP[name], "copy", 0
@@ -74,9 +77,12 @@ def _hf_role(arch: Arch, cfg: ModelConfig, name: str):
             return f"{pre}.attn.{mla[rest][0]}", mla[rest][1], 0
         if rest.startswith("self_attn."):
             return None
-    m2 = re.match(r"^self_attn\.([qkvo]_proj\.(?:weight|bias)|[qk]_norm\.weight)$", rest)
+    m2 = re.match(r"^self_attn\.(o_proj\.weight|[qk]_norm\.weight)$", rest)
     if m2:
         return f"{pre}.attn.{m2.group(1)}", "copy", 0
+    m_qkv = re.match(r"^self_attn\.([qkv])_proj\.(weight|bias)$", rest)
+    if m_qkv:
+        return f"{pre}.attn.qkv_proj.{m_qkv.group(2)}", "qkv", "qkv".index(m_qkv.group(1))
     gate, up, down = arch.expert
     moe = arch.moe
     if cfg.is_moe_layer(i):
@@ -140,12 +146,12 @@ def hf_to_canonical(arch: Arch, cfg: ModelConfig, tensors, interleaved: bool = F
             yield target, (tensor[_rope_rows(cfg, how[5:], inverse=False)] if interleaved else tensor)
         elif how == "t":
             yield target, tensor.t().contiguous()
-        elif how in ("cat_t", "cat0"):
-            halves = pending.setdefault(target, [None, None])
+        elif how in ("cat_t", "cat0", "qkv"):
+            halves = pending.setdefault(target, [None] * (3 if how == "qkv" else 2))
             if halves[part] is not None:
                 raise ConversionError(f"tensor {name!r} appears twice")
             halves[part] = tensor
-            if halves[0] is not None and halves[1] is not None:
+            if all(h is not None for h in halves):
                 del pending[target]
                 yield target, (torch.cat([halves[0].t(), halves[1].t()], dim=1) if how == "cat_t"
                                else torch.cat(halves, dim=0))
@@ -157,7 +163,8 @@ def hf_to_canonical(arch: Arch, cfg: ModelConfig, tensors, interleaved: bool = F
                 yield f"{target}.{e}.w_out", tensor[e].t().contiguous()
     if pending:
         missing = sorted(pending)[:5]
-        raise ConversionError(f"gate/up halves without their partner for {missing}")
+        raise ConversionError(f"gate/up halves or q/k/v parts without their partners for "
+                              f"{missing}")
 
 
 _MLA_OUT = {"q_a_proj.weight": "q_a_proj.weight", "q_a_norm.weight": "q_a_layernorm.weight",
@@ -187,6 +194,14 @@ def canonical_to_hf(arch: Arch, cfg: ModelConfig, tensors, interleaved: bool = F
             if interleaved and local in ("q_b_proj.weight", "q_proj.weight", "kv_a_proj.weight"):
                 t = t[_rope_rows(cfg, "kv" if local.startswith("kv") else "q", inverse=True)]
             yield f"{pre}.self_attn.{_MLA_OUT[local]}", t
+        elif rest in ("attn.qkv_proj.weight", "attn.qkv_proj.bias"):
+            hd, leaf = cfg.head_dim_resolved, rest.rsplit(".", 1)[1]
+            sizes = (cfg.num_heads * hd, cfg.num_kv_heads * hd, cfg.num_kv_heads * hd)
+            if t.shape[0] != sum(sizes):
+                raise ConversionError(f"{name} has {t.shape[0]} rows, the config's q, k, v heads "
+                                      f"{sizes} make {sum(sizes)}")
+            for proj, part in zip("qkv", t.split(sizes), strict=True):
+                yield f"{pre}.self_attn.{proj}_proj.{leaf}", part.contiguous()
         elif rest.startswith("attn."):
             yield f"{pre}.self_attn.{rest[5:]}", t
         elif rest == "ffn.router.weight":

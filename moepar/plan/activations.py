@@ -11,7 +11,7 @@ f bytes of the float32-or-wider maths (router, losses), p bytes of a master para
 | piece (one layer)    | saved                                                                     |
 |----------------------|---------------------------------------------------------------------------|
 | RMSNorm (t tokens)   | input, rstd (+ the normalized input where the norm is not fused: CPU)     |
-| projections' input   | T*D per projection (q, k, v: 3; MLA q_a, kv_a: 2): autocast casts, or under|
+| projections' input   | T*D per projection (qkv: 1; MLA q_a, kv_a: 2): autocast casts, or under    |
 |                      | tp the row copies of the gathered sequence (one shared when mbs = 1);     |
 |                      | once (the norm's output) in float32 at tp = 1                             |
 | GQA attention        | roped q (Hl*d), roped k and v (Gl*d), output (Hl*d, shared with o_proj's  |
@@ -146,7 +146,7 @@ def _attention(cfg, s: ActSpec) -> tuple[float, float]:
     else:
         d, G = cfg.head_dim_resolved, cfg.num_kv_heads
         Gl = G // tp if G >= tp else 1
-        saved += _proj_input(s, 3, D)
+        saved += _proj_input(s, 1, D)      # one fused qkv_proj reads the input
         if cfg.qk_norm != "none":
             saved += _norm(T, Hl * d, s) + _norm(T, Gl * d, s)
         saved += T * Hl * d * a * 2 + T * Gl * d * a * 2 + lse     # q, out; k, v; lse

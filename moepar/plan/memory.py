@@ -9,8 +9,8 @@ edp (experts) for ZeRO.
 | tensor (per layer)         | elements                               | split over tp            |
 |----------------------------|----------------------------------------|--------------------------|
 | attn_norm, ffn_norm        | D each                                 | no                       |
-| q, o (GQA)                 | D*H*d each (+ H*d bias on q)           | by heads                 |
-| k, v (GQA)                 | D*G*d each (+ G*d biases)              | by heads; 1 head per rank when G < tp |
+| qkv (GQA, fused q; k; v)   | D*(H+2G)*d (+ (H+2G)*d bias)           | by heads; 1 kv head per rank when G < tp |
+| o (GQA)                    | D*H*d                                  | by heads                 |
 | q/k norms                  | "head": d each; "full": H*d, G*d       | "full" like q and k      |
 | MLA q (or q_a, q_a_norm, q_b) | D*H*(n+r) (or D*Cq + Cq + Cq*H*(n+r)) | q_proj / q_b by heads    |
 | MLA kv_a, kv_a_norm, kv_b, o | D*(Ckv+r), Ckv, Ckv*H*(n+v), H*v*D     | kv_b and o by heads      |
@@ -54,9 +54,9 @@ def _attention(cfg, tp: int) -> list[tuple[tuple, bool]]:
         return out
     d, G = cfg.head_dim_resolved, cfg.num_kv_heads
     kv_heads = G // tp if G >= tp else 1
-    # registration order (gradient buckets follow it): each projection's weight, then its bias
-    for rows in (H * d // tp, kv_heads * d, kv_heads * d):
-        out += [((rows, D), True)] + ([((rows,), True)] if cfg.attention_bias else [])
+    # registration order (gradient buckets follow it): the fused q/k/v weight and its bias, o
+    rows = H * d // tp + 2 * kv_heads * d
+    out += [((rows, D), True)] + ([((rows,), True)] if cfg.attention_bias else [])
     out += [((D, H * d // tp), True)]
     if cfg.qk_norm == "head":
         out += [((d,), False), ((d,), False)]

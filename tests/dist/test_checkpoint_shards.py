@@ -75,8 +75,10 @@ def test_each_box_is_written_once_by_its_owner(worlds, tmp_path):
     # each EP group (ranks 0 and 1); ranks 2 and 3 hold replicas and write no model file.
     assert files == {"model-r00000.safetensors", "model-r00001.safetensors"}
     assert not (step / "model-r00002.safetensors").exists()
-    q = index["model"]["layers.0.attn.q_proj.weight"]["pieces"]
-    assert sorted(p["file"] for p in q) == ["model-r00000.safetensors", "model-r00001.safetensors"]
+    # The fused q/k/v: each tp rank writes its q heads, its k heads and its v heads (3 pieces).
+    qkv = index["model"]["layers.0.attn.qkv_proj.weight"]["pieces"]
+    assert sorted(p["file"] for p in qkv) == ["model-r00000.safetensors"] * 3 + \
+        ["model-r00001.safetensors"] * 3
     norm = index["model"]["layers.0.attn_norm.weight"]["pieces"]
     assert [p["file"] for p in norm] == ["model-r00000.safetensors"]
     # The files hold the model exactly once: their tensor bytes are the canonical bytes.

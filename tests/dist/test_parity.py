@@ -78,6 +78,9 @@ LAYOUTS += [
     # sequence slices with capacity and balance losses of the whole micro-batch.
     (2, ["--parallel.tp=2"]),
     (4, ["--parallel.tp=4"]),                                          # kv heads 2 < tp: shared
+    # Shared kv rows of the fused qkv_proj inside ZeRO's flat shards (split over buckets).
+    (4, ["--parallel.tp=4", "--parallel.zero=1"]),
+    (4, ["--parallel.tp=4", "--parallel.zero=2", "--parallel.bucket_mb=0.002"]),
     (2, ["--parallel.tp=2", "--parallel.ep=2"]),                       # EP group = the tp group
     (4, ["--parallel.dp=2", "--parallel.tp=2", "--parallel.ep=4"]),    # EP spans dp and tp
     (4, ["--parallel.dp=2", "--parallel.tp=2", "--parallel.ep=2", "--parallel.zero=1"]),

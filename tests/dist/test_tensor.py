@@ -267,6 +267,31 @@ def case_collective_counts(tp: int):
     return phases
 
 
+def case_qkv_rows(tp: int):
+    """Each rank's qkv_proj shard (weight and bias) is the rows of its q heads, then of the k
+    heads and the v heads they read, cut from the unsplit fused weight by head index."""
+    reference, model, _, rank = build("dense", tp)
+    H, G = TINY["num_heads"], TINY["num_kv_heads"]
+    hd = TINY["dim"] // H
+    q_heads = range(rank * H // tp, (rank + 1) * H // tp)
+    # G >= tp: G/tp kv heads each; G < tp: the one kv head rank r's q heads read (h // (H/G)).
+    kv_heads = range(rank * G // tp, (rank + 1) * G // tp) if G >= tp else [q_heads[0] // (H // G)]
+    rows = ([range(h * hd, (h + 1) * hd) for h in q_heads]
+            + [range((H + g) * hd, (H + g + 1) * hd) for g in kv_heads]
+            + [range((H + G + g) * hd, (H + G + g + 1) * hd) for g in kv_heads])
+    index = torch.tensor([i for r in rows for i in r])
+    for block_ref, block in zip(reference.layers, model.layers, strict=True):
+        full, local = block_ref.attn.qkv_proj, block.attn.qkv_proj
+        assert torch.equal(local.weight.detach(), full.weight.detach()[index])
+        assert torch.equal(local.bias.detach(), full.bias.detach()[index])
+        assert (block.attn.num_heads, block.attn.num_kv_heads) == (len(q_heads), len(kv_heads))
+
+
+@pytest.mark.parametrize("tp", [2, 4])
+def test_qkv_shard_is_the_rows_of_its_heads(worlds, tp):
+    worlds(tp).run(case_qkv_rows, tp)
+
+
 @pytest.mark.parametrize("tp", [2, 4])
 def test_building_blocks(worlds, tp):
     worlds(tp).run(case_linear_regions, tp)

@@ -186,7 +186,7 @@ def case_zero3_bfloat16(run_dir: str, *extra: str):
         return hook
 
     block = trainer.model.layers[1]
-    block.attn.q_proj.register_forward_pre_hook(record("attention"))
+    block.attn.qkv_proj.register_forward_pre_hook(record("attention"))
     block.ffn.router.register_forward_pre_hook(record("router"))
     trainer.model.embed.register_forward_pre_hook(record("embedding"))
     records = trainer.run()

@@ -8,11 +8,12 @@ import pytest
 import torch
 
 from configs import tiny_config
-from moepar.checkpoint import (CheckpointError, complete_steps, recover_interrupted,
-                               save_checkpoint, verify_checkpoint)
+from moepar.checkpoint import (CheckpointError, complete_steps, load_checkpoint,
+                               recover_interrupted, save_checkpoint, verify_checkpoint)
 from moepar.config import ParallelConfig, load_config
 from moepar.layers import ModelConfig, Transformer
 from moepar.parallel import Options, ParallelDims, parallelize
+from moepar.tensorfile import file_digest
 from moepar.train import Trainer
 
 
@@ -97,3 +98,27 @@ def test_torn_metrics_line_does_not_block_resume(tmp_path):
     Trainer(tiny_config(tmp_path, "--train.steps=3", "--run.resume=true"), log=quiet).run()
     steps = [json.loads(line)["step"] for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     assert steps == [1, 2, 3]
+
+
+def test_checkpoint_with_separate_q_k_v_is_refused_by_name(tmp_path):
+    # A checkpoint from before q, k and v were fused names them apart; it is refused with a
+    # message that says so, and nothing of the model changes.
+    model, _ = small_model()
+    path = save_checkpoint(str(tmp_path), 1, model, {"step": 1})
+    index_file = os.path.join(path, "index.json")
+    index = json.loads(open(index_file).read())
+    fused = index["model"].pop("layers.0.attn.qkv_proj.weight")
+    for proj in ("q_proj", "k_proj", "v_proj"):
+        index["model"][f"layers.0.attn.{proj}.weight"] = fused
+    with open(index_file, "w") as f:
+        json.dump(index, f)
+    manifest = json.loads(open(os.path.join(path, "manifest.json")).read())
+    manifest["files"]["index.json"] = file_digest(index_file)
+    with open(os.path.join(path, "manifest.json"), "w") as f:
+        json.dump(manifest, f)
+    before = {k: v.clone() for k, v in model.model.state_dict().items()}
+    with pytest.raises(CheckpointError, match=r"'layers\.0\.attn\.k_proj\.weight'\): it was "
+                                              r"written before they became one fused qkv_proj"):
+        load_checkpoint(path, model)
+    for name, value in model.model.state_dict().items():
+        assert torch.equal(value, before[name]), name

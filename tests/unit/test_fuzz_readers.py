@@ -691,7 +691,7 @@ def test_class18_world_size_without_its_rng_files_is_refused(world, tmp_path):
 
 def test_class18_swapped_offsets_of_same_shape_tensors_are_refused(world, tmp_path):
     ckpt = copy_step(world, tmp_path)
-    a, b = "layers.0.attn.q_proj.weight", "layers.0.attn.o_proj.weight"   # both [32, 32]
+    a, b = "layers.0.attn.o_proj.weight", "layers.1.attn.o_proj.weight"   # both [32, 32]
 
     def swap(header):
         header[a]["data_offsets"], header[b]["data_offsets"] = (header[b]["data_offsets"],

@@ -89,9 +89,11 @@ def naive_rope(x_Hd, pos, theta):
 def naive_attention(attn, x_BSD, theta):
     batch, seq, _ = x_BSD.shape
     num_heads, num_kv, hd = attn.num_heads, attn.num_kv_heads, attn.head_dim
-    q = (x_BSD @ attn.q_proj.weight.t()).view(batch, seq, num_heads, hd)
-    k = (x_BSD @ attn.k_proj.weight.t()).view(batch, seq, num_kv, hd)
-    v = (x_BSD @ attn.v_proj.weight.t()).view(batch, seq, num_kv, hd)
+    # qkv_proj's rows are [q of every head; k of every kv head; v of every kv head].
+    w_q, w_k, w_v = attn.qkv_proj.weight.split([num_heads * hd, num_kv * hd, num_kv * hd])
+    q = (x_BSD @ w_q.t()).view(batch, seq, num_heads, hd)
+    k = (x_BSD @ w_k.t()).view(batch, seq, num_kv, hd)
+    v = (x_BSD @ w_v.t()).view(batch, seq, num_kv, hd)
     out = torch.zeros(batch, seq, num_heads, hd, dtype=x_BSD.dtype)
     for b in range(batch):
         for h in range(num_heads):

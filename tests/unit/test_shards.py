@@ -8,10 +8,10 @@ import pytest
 import torch
 
 from moepar.layers import ModelConfig, RouterConfig, Transformer
-from moepar.layers.init import canonical_tensors, draw, init_weights
+from moepar.layers.init import CanonicalTensor, InitSpec, canonical_tensors, draw, init_weights
 from moepar.parallel.shards import (flat_segments, flat_to_boxes, fsdp_range, fsdp_segments,
                                     local_view, tp_segments, whole_segments)
-from moepar.parallel.tensor import TPShard, local_shard
+from moepar.parallel.tensor import FusedShard, TPShard, local_shard
 
 
 @pytest.mark.parametrize("shape", [(7,), (3, 5), (2, 3, 4), (4, 1, 3)])
@@ -62,6 +62,32 @@ def test_tp_segments_match_local_shard(spec, rank):
     first_row = (rank // spec.replicas) * (8 // spec.num_pieces) if spec.dim == 0 else 0
     real_rows = max(0, min(local.shape[0], rows - first_row)) if spec.dim == 0 else local.shape[0]
     assert covered[:real_rows].eq(1).all() and covered[real_rows:].eq(0).all()
+
+
+@pytest.mark.parametrize("tp, kv_heads, rank", [(2, 2, 1), (4, 2, 3), (4, 1, 2), (4, 1, 0)])
+def test_fused_qkv_segments_are_each_ranks_heads(tp, kv_heads, rank):
+    # qkv_proj rows [q of 4 heads; k of G heads; v of G heads], head dim 2: rank r holds q heads
+    # [r*4/tp, (r+1)*4/tp) and the kv heads they read (G/tp heads, or head r // (tp/G), shared).
+    heads, hd, dim = 4, 2, 3
+    rows = (heads + 2 * kv_heads) * hd
+    full = torch.arange(rows * dim, dtype=torch.float64).view(rows, dim)
+    replicas = max(tp // kv_heads, 1)
+    kv_spec = TPShard(0, tp, replicas=replicas)
+    spec = FusedShard((heads * hd, kv_heads * hd, kv_heads * hd), (TPShard(0, tp), kv_spec, kv_spec))
+    local = local_shard(full, spec, rank)
+    q_heads = range(rank * heads // tp, (rank + 1) * heads // tp)
+    kv = range(rank // replicas * kv_heads * replicas // tp,
+               (rank // replicas + 1) * kv_heads * replicas // tp)
+    want = ([full[h * hd:(h + 1) * hd] for h in q_heads]
+            + [full[(heads + g) * hd:(heads + g + 1) * hd] for g in kv]
+            + [full[(heads + kv_heads + g) * hd:(heads + kv_heads + g + 1) * hd] for g in kv])
+    torch.testing.assert_close(local, torch.cat(want), rtol=0, atol=0)
+    segments = tp_segments(whole_segments("w", full.shape), spec, rank)
+    assert _check(full, local, segments).eq(1).all()
+    # q rows are this rank's alone; a shared kv piece is written by its first holder only
+    for seg in segments:
+        is_q = seg.canon.offsets[0] < heads * hd
+        assert seg.writes == (is_q or rank % replicas == 0)
 
 
 @pytest.mark.parametrize("dim, world, index", [(0, 4, 1), (0, 3, 2), (1, 2, 1), (0, 8, 7)])
@@ -126,3 +152,20 @@ def test_initial_values_are_a_pure_function_of_seed_and_name():
     # drawing in place again changes nothing
     init_weights(again, 7)
     assert torch.equal(again.head.weight, model.head.weight)
+
+
+def test_fused_qkv_draws_the_values_of_separate_q_k_v():
+    # The fused projection starts from the values separate q_proj, k_proj, v_proj were drawn
+    # with (each under its own name), so fixed expected values and old seeds keep their meaning.
+    cfg = ModelConfig(vocab_size=32, dim=16, num_layers=2, num_heads=4, num_kv_heads=2,
+                      ffn_dim=32, max_seq_len=8, attention_bias=True)
+    model = Transformer(cfg, RouterConfig(), seed=7)
+    hd = cfg.head_dim_resolved
+    weight = model.layers[1].attn.qkv_proj.weight
+    parts = []
+    for name, rows in (("q_proj", 4 * hd), ("k_proj", 2 * hd), ("v_proj", 2 * hd)):
+        old = CanonicalTensor((rows, 16), torch.float32, InitSpec("normal", cfg.init_std))
+        parts.append(draw(f"layers.1.attn.{name}.weight", old, 7))
+    assert weight.shape == (8 * hd, 16)
+    torch.testing.assert_close(weight, torch.cat(parts), rtol=0, atol=0)
+    assert torch.equal(model.layers[1].attn.qkv_proj.bias, torch.zeros(8 * hd))
