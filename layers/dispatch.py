@@ -22,9 +22,12 @@ identity (one chunk, rows already here); an all-to-all chunk waits for its rows 
 way back (parallel/alltoall.py). Overlap is that chunking: chunk i's experts run while chunk i+1's
 rows arrive; the synchronous path is the same code with one chunk.
 
-The one host sync per layer is `counts_to_host` (the grouped GEMM and the all-to-all need group
-sizes on the host); everything else (counts, offsets, permutations) is built on the device, and
-backward never syncs.
+Host syncs: at most one per layer, `counts_to_host` (the all-to-all needs split sizes on the
+host, and so does the count of kept rows when capacity drops copies); everything else (counts,
+offsets, permutations) is built on the device, and backward never syncs. Routing that drops
+nothing (dropless top-k, expert choice) on one rank makes none: all N copies are kept, and the
+native grouped GEMM reads the device offsets; the host list of rows per expert is then read
+only if a GEMM path needs it (the padded float64 fallback), once (`ExpertChunk.host_rows`).
 
 Token-choice routing (every token has K slots, n = t*K + k) moves rows by gathers only, forward
 and backward: the sort is a permutation of the N slots, so its inverse is a gather too, and the
@@ -35,6 +38,7 @@ summed slot by slot in that fixed order. No float `index_add` (atomics on GPUs, 
 changes from run to run), so results are bit-reproducible on CUDA too.
 """
 
+import functools
 from dataclasses import dataclass
 
 import torch
@@ -204,6 +208,26 @@ class _CombineSlots(torch.autograd.Function):
         return grad_y, grad_w, None, None, None, None
 
 
+@functools.lru_cache(maxsize=None)
+def _bmm_out_dtype_runs(device_type: str) -> bool:
+    """Whether `torch.bmm(..., out_dtype=float32)` of bf16 runs here (CUDA: yes; CPU: no),
+    probed once on a toy under no_grad (it is first called inside a backward)."""
+    try:
+        with torch.no_grad():
+            a = torch.ones(1, 1, 8, dtype=torch.bfloat16, device=device_type)
+            return torch.bmm(a, a.transpose(1, 2), out_dtype=torch.float32).dtype == torch.float32
+    except (RuntimeError, NotImplementedError, TypeError):
+        return False
+
+
+def _bmm_float32(a, b):
+    """a @ b of half-precision batches, accumulated in float32: returned in float32 where the
+    device can, else in a's dtype."""
+    if _bmm_out_dtype_runs(a.device.type):
+        return torch.bmm(a, b, out_dtype=torch.float32)
+    return torch.bmm(a, b)
+
+
 class _CombineHalf(torch.autograd.Function):
     """_CombineSlots for half-precision rows (bf16/fp16 training), without a float32 copy of any
     [R, D] tensor: the slots are gathered into [T, K, D] (rows' dtype) and each token's K copies
@@ -213,7 +237,8 @@ class _CombineHalf(torch.autograd.Function):
     with weight 0 (no zero row appended, which would copy y). Backward: grad of row r =
     w_r * g[token_r], one in-place multiply of the gathered bf16 rows by the float32 weights
     (computed in float32, rounded once); grad of w = y_TKD @ g_TD1, one batched GEMM on the
-    saved slots (float32 accumulation, rounded to the rows' dtype)."""
+    saved slots (float32 accumulation; its float32 result where the device's bmm returns one,
+    as CUDA's does, else rounded to the rows' dtype, as on the CPU)."""
 
     @staticmethod
     def forward(ctx, y_RD, weight_N, slot_to_row_N, kept_R, token_R, num_tokens: int):
@@ -236,7 +261,7 @@ class _CombineHalf(torch.autograd.Function):
         grad_TD = grad_TD.to(y_TKD.dtype)
         grad_y = grad_w = None
         if ctx.needs_input_grad[1]:
-            grad_w = torch.bmm(y_TKD, grad_TD.unsqueeze(-1)).view(-1).to(weight_N.dtype)
+            grad_w = _bmm_float32(y_TKD, grad_TD.unsqueeze(-1)).view(-1).to(weight_N.dtype)
             if dropped_N is not None:
                 grad_w = grad_w.masked_fill(dropped_N, 0)
         if ctx.needs_input_grad[0]:
