@@ -166,8 +166,8 @@ def inverse_permutation(index):
 
 
 class _GatherTokens(torch.autograd.Function):
-    """x_RD = x_TD[kept_R // K]. Backward: each token sums the gradients of its K rows (a gather
-    per slot; dropped slots read a zero row): no scatter."""
+    """x_RD = x_TD[kept_R // K]. Backward: each token sums the gradients of its K rows (gathers
+    by slot; dropped slots read a zero row): no scatter."""
 
     @staticmethod
     def forward(ctx, x_TD, token_R, slot_to_row_N, top_k: int):
@@ -178,6 +178,15 @@ class _GatherTokens(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_RD):
         (slot_to_row_N,) = ctx.saved_tensors
+        if grad_RD.dtype in _HALF:
+            # Half precision: the K copies gathered into [T, K, D] and summed by one reduction,
+            # which accumulates in float32 and rounds once (K-1 bf16 adds would round K-1
+            # times); float32 and float64 keep the slot-by-slot sum, unchanged.
+            if slot_to_row_N.numel() > grad_RD.shape[0]:
+                grad_RD = torch.cat([grad_RD, grad_RD.new_zeros(1, grad_RD.shape[-1])])
+            grad_TKD = grad_RD.index_select(0, slot_to_row_N).view(ctx.num_tokens, -1,
+                                                                   grad_RD.shape[-1])
+            return grad_TKD.sum(1), None, None, None
         return _segment_sum(grad_RD, slot_to_row_N.view(ctx.num_tokens, -1)), None, None, None
 
 

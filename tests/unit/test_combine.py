@@ -143,3 +143,20 @@ def test_bf16_moe_layer_is_close_to_float64():
         outs.append((y, xx.grad, layer.experts.w_in_EDH.grad, layer.experts.w_out_EFD.grad))
     for got, want in zip(*outs, strict=True):
         assert _rel(got, want) < 2e-2
+
+
+@pytest.mark.parametrize("drop", [False, True], ids=["dropless", "drops"])
+def test_half_gather_gradient_sums_a_tokens_copies_once(drop):
+    """The gather's backward in bf16: each token's K row gradients summed in float32 and
+    rounded once (the float32 sum of a few bf16 numbers is exact here), dropped copies adding
+    nothing."""
+    gen = torch.Generator().manual_seed(2)
+    routing = _routing(drop, gen)
+    order_N, counts_E = dispatch.sort_by_expert(routing.expert_N, E)
+    num_rows = int(counts_E.sum())
+    x = torch.randn(T, DIM, generator=gen).bfloat16().requires_grad_()
+    x_RD, sorted_ = dispatch.gather_sorted(x, routing, order_N, num_rows, E)
+    grad_RD = torch.randn(num_rows, DIM, generator=gen).bfloat16()
+    x_RD.backward(grad_RD)
+    want = torch.zeros(T, DIM).index_add(0, sorted_.token_R, grad_RD.float())
+    assert x.grad.dtype == torch.bfloat16 and torch.equal(x.grad, want.bfloat16())
