@@ -243,7 +243,8 @@ class _CombineHalf(torch.autograd.Function):
     are summed by one batched GEMM, y_T1D = w_T1K @ y_TKD, which accumulates in float32 inside.
     The weights enter the GEMM in the rows' dtype (bf16 w: 8 bits of mantissa; the error this
     adds is measured in tests/unit/test_combine.py against float64). Dropped slots read row 0
-    with weight 0 (no zero row appended, which would copy y). Backward: grad of row r =
+    with weight 0 (no zero row appended, which would copy y; a non-finite row 0 would leak into
+    them, as it has already broken the step). Backward: grad of row r =
     w_r * g[token_r], one in-place multiply of the gathered bf16 rows by the float32 weights
     (computed in float32, rounded once); grad of w = y_TKD @ g_TD1, one batched GEMM on the
     saved slots (float32 accumulation; its float32 result where the device's bmm returns one,
@@ -261,7 +262,6 @@ class _CombineHalf(torch.autograd.Function):
             y_RD = y_RD.new_zeros(1, dim)
         y_TKD = y_RD.index_select(0, slot_to_row_N).view(num_tokens, -1, dim)
         ctx.save_for_backward(y_TKD, weight_N, dropped_N, kept_R, token_R)
-        ctx.num_rows = num_rows
         return torch.bmm(weight_N.to(y_RD.dtype).view(num_tokens, 1, -1), y_TKD).view(-1, dim)
 
     @staticmethod
