@@ -22,9 +22,12 @@ identity (one chunk, rows already here); an all-to-all chunk waits for its rows 
 way back (parallel/alltoall.py). Overlap is that chunking: chunk i's experts run while chunk i+1's
 rows arrive; the synchronous path is the same code with one chunk.
 
-The one host sync per layer is `counts_to_host` (the grouped GEMM and the all-to-all need group
-sizes on the host); everything else (counts, offsets, permutations) is built on the device, and
-backward never syncs.
+Host syncs: at most one per layer, `counts_to_host` (the all-to-all needs split sizes on the
+host, and so does the count of kept rows when capacity drops copies); everything else (counts,
+offsets, permutations) is built on the device, and backward never syncs. Routing that drops
+nothing (dropless top-k, expert choice) on one rank makes none: all N copies are kept, and the
+native grouped GEMM reads the device offsets; the host list of rows per expert is then read
+only if a GEMM path needs it (the padded float64 fallback), once (`ExpertChunk.host_rows`).
 
 Token-choice routing (every token has K slots, n = t*K + k) moves rows by gathers only, forward
 and backward: the sort is a permutation of the N slots, so its inverse is a gather too, and the
@@ -35,6 +38,7 @@ summed slot by slot in that fixed order. No float `index_add` (atomics on GPUs, 
 changes from run to run), so results are bit-reproducible on CUDA too.
 """
 
+import functools
 from dataclasses import dataclass
 
 import torch
@@ -49,8 +53,8 @@ __all__ = ["ExpertChunk", "Sorted", "LocalPlan", "LocalDispatcher", "sort_by_exp
 @dataclass(frozen=True)
 class ExpertChunk:
     """A block of this rank's experts whose rows travel together (the unit of overlap)."""
-    first_expert: int             # local experts [first_expert, first_expert + len(rows_per_expert))
-    rows_per_expert: list[int]    # host copy of the rows per expert (the grouped GEMM's groups)
+    first_expert: int             # local experts [first_expert, first_expert + num_experts)
+    known_rows: list[int] | None  # host copy of the rows per expert, or None: not read (yet)
     offs_E: torch.Tensor          # their int32 cumulative sum on the device (grouped GEMM offsets)
 
     # Whether the experts' weight gradients are worth computing after the input gradient has
@@ -59,7 +63,21 @@ class ExpertChunk:
 
     @property
     def num_experts(self) -> int:
-        return len(self.rows_per_expert)
+        return self.offs_E.numel()
+
+    @property
+    def rows_per_expert(self) -> list[int]:
+        return self.host_rows()
+
+    def host_rows(self) -> list[int]:
+        """The rows per expert on the host. A dropless plan on one rank leaves them on the
+        device (the native grouped GEMM reads `offs_E`): the first call here then reads them,
+        one sync, kept for the layer's later GEMMs and its backward (the padded fallback)."""
+        if self.known_rows is None:
+            ends = counts_to_host(self.offs_E)
+            # (a cache on a frozen plan: the value is fixed by offs_E, whoever asks first)
+            object.__setattr__(self, "known_rows", [b - a for a, b in zip([0] + ends[:-1], ends)])
+        return self.known_rows
 
     def arrive(self, rows):
         """The chunk's rows in expert order, ready for the GEMMs (here: as they are)."""
@@ -148,8 +166,8 @@ def inverse_permutation(index):
 
 
 class _GatherTokens(torch.autograd.Function):
-    """x_RD = x_TD[kept_R // K]. Backward: each token sums the gradients of its K rows (a gather
-    per slot; dropped slots read a zero row): no scatter."""
+    """x_RD = x_TD[kept_R // K]. Backward: each token sums the gradients of its K rows (gathers
+    by slot; dropped slots read a zero row): no scatter."""
 
     @staticmethod
     def forward(ctx, x_TD, token_R, slot_to_row_N, top_k: int):
@@ -160,6 +178,15 @@ class _GatherTokens(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_RD):
         (slot_to_row_N,) = ctx.saved_tensors
+        if grad_RD.dtype in _HALF:
+            # Half precision: the K copies gathered into [T, K, D] and summed by one reduction,
+            # which accumulates in float32 and rounds once (K-1 bf16 adds would round K-1
+            # times); float32 and float64 keep the slot-by-slot sum, unchanged.
+            if slot_to_row_N.numel() > grad_RD.shape[0]:
+                grad_RD = torch.cat([grad_RD, grad_RD.new_zeros(1, grad_RD.shape[-1])])
+            grad_TKD = grad_RD.index_select(0, slot_to_row_N).view(ctx.num_tokens, -1,
+                                                                   grad_RD.shape[-1])
+            return grad_TKD.sum(1), None, None, None
         return _segment_sum(grad_RD, slot_to_row_N.view(ctx.num_tokens, -1)), None, None, None
 
 
@@ -187,6 +214,68 @@ class _CombineSlots(torch.autograd.Function):
             grad_w = _slot_values(grad_w_R, slot_to_row_N)
         if ctx.needs_input_grad[0]:
             grad_y = g_RD.mul_(w_R.unsqueeze(-1)).to(y_RD.dtype)
+        return grad_y, grad_w, None, None, None, None
+
+
+@functools.lru_cache(maxsize=None)
+def _bmm_out_dtype_runs(device_type: str) -> bool:
+    """Whether `torch.bmm(..., out_dtype=float32)` of bf16 runs here (CUDA: yes; CPU: no),
+    probed once on a toy under no_grad (it is first called inside a backward)."""
+    try:
+        with torch.no_grad():
+            a = torch.ones(1, 1, 8, dtype=torch.bfloat16, device=device_type)
+            return torch.bmm(a, a.transpose(1, 2), out_dtype=torch.float32).dtype == torch.float32
+    except (RuntimeError, NotImplementedError, TypeError):
+        return False
+
+
+def _bmm_float32(a, b):
+    """a @ b of half-precision batches, accumulated in float32: returned in float32 where the
+    device can, else in a's dtype."""
+    if _bmm_out_dtype_runs(a.device.type):
+        return torch.bmm(a, b, out_dtype=torch.float32)
+    return torch.bmm(a, b)
+
+
+class _CombineHalf(torch.autograd.Function):
+    """_CombineSlots for half-precision rows (bf16/fp16 training), without a float32 copy of any
+    [R, D] tensor: the slots are gathered into [T, K, D] (rows' dtype) and each token's K copies
+    are summed by one batched GEMM, y_T1D = w_T1K @ y_TKD, which accumulates in float32 inside.
+    The weights enter the GEMM in the rows' dtype (bf16 w: 8 bits of mantissa; the error this
+    adds is measured in tests/unit/test_combine.py against float64). Dropped slots read row 0
+    with weight 0 (no zero row appended, which would copy y; a non-finite row 0 would leak into
+    them, as it has already broken the step). Backward: grad of row r =
+    w_r * g[token_r], one in-place multiply of the gathered bf16 rows by the float32 weights
+    (computed in float32, rounded once); grad of w = y_TKD @ g_TD1, one batched GEMM on the
+    saved slots (float32 accumulation; its float32 result where the device's bmm returns one,
+    as CUDA's does, else rounded to the rows' dtype, as on the CPU)."""
+
+    @staticmethod
+    def forward(ctx, y_RD, weight_N, slot_to_row_N, kept_R, token_R, num_tokens: int):
+        num_rows, dim = y_RD.shape
+        dropped_N = None
+        if slot_to_row_N.numel() > num_rows:    # drops (shapes say so: no sync)
+            dropped_N = slot_to_row_N == num_rows
+            slot_to_row_N = slot_to_row_N.clamp(max=max(num_rows - 1, 0))
+            weight_N = weight_N.masked_fill(dropped_N, 0)
+        if num_rows == 0:
+            y_RD = y_RD.new_zeros(1, dim)
+        y_TKD = y_RD.index_select(0, slot_to_row_N).view(num_tokens, -1, dim)
+        ctx.save_for_backward(y_TKD, weight_N, dropped_N, kept_R, token_R)
+        return torch.bmm(weight_N.to(y_RD.dtype).view(num_tokens, 1, -1), y_TKD).view(-1, dim)
+
+    @staticmethod
+    def backward(ctx, grad_TD):
+        y_TKD, weight_N, dropped_N, kept_R, token_R = ctx.saved_tensors
+        grad_TD = grad_TD.to(y_TKD.dtype)
+        grad_y = grad_w = None
+        if ctx.needs_input_grad[1]:
+            grad_w = _bmm_float32(y_TKD, grad_TD.unsqueeze(-1)).view(-1).to(weight_N.dtype)
+            if dropped_N is not None:
+                grad_w = grad_w.masked_fill(dropped_N, 0)
+        if ctx.needs_input_grad[0]:
+            g_RD = grad_TD.index_select(0, token_R)
+            grad_y = g_RD.mul_(weight_N.index_select(0, kept_R).unsqueeze(-1))
         return grad_y, grad_w, None, None, None, None
 
 
@@ -274,6 +363,10 @@ def gather_sorted(x_TD, routing: Routing, order_N, num_rows: int, num_experts: i
     """(x_RD, Sorted): the rows of x for the first `num_rows` (kept) assignments of `order_N`,
     and how to combine them back. `num_rows` is a host number (the sum of the host counts);
     `num_experts` the experts the copies were sorted over (it bounds a token's copies)."""
+    if torch.is_autocast_enabled(x_TD.device.type):
+        # (train.fp32_residual) the experts compute in the autocast dtype: cast the T tokens
+        # once, not the R >= T rows after the gather (the same values, fewer bytes).
+        x_TD = x_TD.to(torch.get_autocast_dtype(x_TD.device.type))
     kept_R = order_N[:num_rows]
     token_R = routing.token_N[kept_R]
     slot_to_row_N = rows_of_token_TM = None
@@ -297,11 +390,13 @@ class LocalDispatcher:
         self.num_experts = num_experts
 
     def dispatch(self, x_TD: torch.Tensor, routing: Routing):
-        """((x_RD,), plan): rows grouped by expert, dropped copies (expert == E) cut off."""
+        """((x_RD,), plan): rows grouped by expert, dropped copies (expert == E) cut off.
+        Dropless routing keeps all N copies, so nothing is read from the device: the plan's
+        offsets stay there (0 host syncs); with drops the kept rows are counted on the host."""
         order_N, counts_E = sort_by_expert(routing.expert_N, self.num_experts)
-        rows_per_expert = counts_to_host(counts_E)
-        x_RD, sorted_ = gather_sorted(x_TD, routing, order_N, sum(rows_per_expert),
-                                      self.num_experts)
+        rows_per_expert = None if routing.dropless else counts_to_host(counts_E)
+        num_rows = routing.expert_N.numel() if routing.dropless else sum(rows_per_expert)
+        x_RD, sorted_ = gather_sorted(x_TD, routing, order_N, num_rows, self.num_experts)
         chunk = ExpertChunk(0, rows_per_expert, group_offsets(counts_E))
         return (x_RD,), LocalPlan(sorted_, (chunk,))
 
@@ -310,11 +405,17 @@ class LocalDispatcher:
         return combine_sorted(y, plan.sorted, weight_N)
 
 
+_HALF = (torch.bfloat16, torch.float16)
+
+
 def combine_sorted(y_RD: torch.Tensor, sorted_: Sorted, weight_N: torch.Tensor) -> torch.Tensor:
     """y_TD = sum over each token's kept copies of weight * expert output (zero if all dropped)."""
     if sorted_.top_k is not None:
-        return _CombineSlots.apply(y_RD, weight_N, sorted_.slot_to_row_N, sorted_.kept_R,
-                                   sorted_.token_R, sorted_.num_tokens)
+        # Half-precision rows: the one-GEMM combine (no float32 [R, D]); float32 and float64
+        # keep the exact slot-by-slot sum, unchanged.
+        combine = _CombineHalf if y_RD.dtype in _HALF else _CombineSlots
+        return combine.apply(y_RD, weight_N, sorted_.slot_to_row_N, sorted_.kept_R,
+                             sorted_.token_R, sorted_.num_tokens)
     dtype = torch.promote_types(y_RD.dtype, weight_N.dtype)
     weighted_RD = y_RD.to(dtype) * weight_N.index_select(0, sorted_.kept_R).to(dtype).unsqueeze(-1)
     return sum_rows(weighted_RD, sorted_.token_R, sorted_.rows_of_token_TM)

@@ -14,7 +14,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.autograd.graph import get_gradient_edge
 
-from .grouped_mm import grouped_mm
+from .grouped_mm import HostRows, grouped_mm
 
 __all__ = ["ACTIVATIONS", "GroupedExperts", "FeedForward", "SharedExperts", "expert_ffn",
            "defer_weight_grads"]
@@ -23,30 +23,24 @@ ACTIVATIONS = ("swiglu", "gelu")
 
 
 class _SwiGLU(torch.autograd.Function):
-    """silu(gate) * up for h = [gate | up]. Backward writes both halves of one [R, 2F] gradient
-    in place, instead of autograd's two half-size gradients joined by a cat (a full extra copy of
-    the largest activation in the layer), and allocates nothing else: grad * up is formed in the
-    gate half and turned into the gate gradient there."""
+    """silu(gate) * up for h = [gate | up], saving h alone (no silu output): backward recomputes
+    the sigmoid inside silu_backward (the ATen op autograd itself uses for silu) and silu(gate)
+    for the up half, and joins the halves' gradients in one cat, which torch.compile fuses with
+    the elementwise ops before it (no out= into views of a buffer: compile rejects those). The
+    results are bit-identical to autograd of the plain formula, forward and backward."""
 
     @staticmethod
     def forward(ctx, h):
         gate, up = h.chunk(2, dim=-1)
-        silu_gate = F.silu(gate)
-        ctx.save_for_backward(h, silu_gate)
-        return silu_gate * up
+        ctx.save_for_backward(h)
+        return F.silu(gate) * up
 
     @staticmethod
     def backward(ctx, grad_out):
-        h, silu_gate = ctx.saved_tensors
+        (h,) = ctx.saved_tensors
         gate, up = h.chunk(2, dim=-1)
-        grad_h = torch.empty_like(h)
-        grad_gate, grad_up = grad_h.chunk(2, dim=-1)
-        torch.mul(grad_out, silu_gate, out=grad_up)
-        torch.mul(grad_out, up, out=grad_gate)
-        # The ATen op autograd itself uses for silu, in its out= form, in place on the half
-        # (an elementwise op may write over its own input).
-        torch.ops.aten.silu_backward.grad_input(grad_gate, gate, grad_input=grad_gate)
-        return grad_h
+        grad_gate = torch.ops.aten.silu_backward(grad_out * up, gate)
+        return torch.cat([grad_gate, grad_out * F.silu(gate)], dim=-1)
 
 
 def _activate(h, activation: str):
@@ -65,7 +59,8 @@ class GroupedExperts(nn.Module):
     forward(x_RD, plan) runs expert e on its contiguous block of rows of each chunk of a
     dispatcher's plan; no Python loop over experts. Expert parallelism shards dim 0 (each rank
     holds its local experts). `ffn(x_RD, rows_per_expert, offs_E, w_in, w_out)` is the maths
-    alone, for rows already grouped by expert.
+    alone, for rows already grouped by expert (`rows_per_expert`: the host list, or a plan's
+    `host_rows`, read only if the GEMM's path needs it: layers/grouped_mm.py).
     """
 
     def __init__(self, num_experts: int, dim: int, ffn_dim: int, activation: str = "swiglu",
@@ -103,12 +98,12 @@ class GroupedExperts(nn.Module):
                 # Before arrive records its wait: backward then sends the input gradient back
                 # first and computes the weight gradients while it travels.
                 w_in, w_out, later = defer_weight_grads(w_in, w_out)
-            y = self.ffn(chunk.arrive(rows), chunk.rows_per_expert, chunk.offs_E, w_in, w_out,
+            y = self.ffn(chunk.arrive(rows), chunk.host_rows, chunk.offs_E, w_in, w_out,
                          later)
             y_RD.append(chunk.depart(y))
         return tuple(y_RD)
 
-    def ffn(self, x_RD, rows_per_expert: list[int], offs_E, w_in_EDH, w_out_EFD, later=None):
+    def ffn(self, x_RD, rows_per_expert: HostRows, offs_E, w_in_EDH, w_out_EFD, later=None):
         """`expert_ffn` with this module's activation on (a block of) its weights. Under
         recompute only this is run again in backward (never a dispatcher's all-to-alls), and
         nothing is deferred (`later` is not used)."""
@@ -119,7 +114,7 @@ class GroupedExperts(nn.Module):
                           later)
 
 
-def expert_ffn(x_RD, rows_per_expert: list[int], offs_E, w_in_EDH, w_out_EFD, activation: str,
+def expert_ffn(x_RD, rows_per_expert: HostRows, offs_E, w_in_EDH, w_out_EFD, activation: str,
                later: "LaterWeightGrads | None" = None):
     """The experts' maths on rows grouped by expert, for any block of experts' weights (the
     all-to-all pipeline runs a block of local experts per chunk). With `later` (from

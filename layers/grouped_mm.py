@@ -22,14 +22,19 @@ bf16); other dims take the fallback.
 Empty groups: on Blackwell (sm100) the native kernel returns non-zero weight gradients for groups
 with no rows (an open PyTorch issue; correct on sm90). On CUDA the weight gradients of empty
 groups are therefore zeroed by a mask built on the device from the offsets (no sync), when the
-host list of rows per group has an empty one.
+host list of rows per group has an empty one, and always when the caller left that list on the
+device (a dropless layer on one rank: a pass over the weight gradient rather than a host sync).
 """
 
 import functools
+from collections.abc import Callable
 
 import torch
 
-__all__ = ["grouped_mm", "grouped_mm_backend", "zero_empty_group_grads"]
+__all__ = ["grouped_mm", "grouped_mm_backend", "zero_empty_group_grads", "HostRows"]
+
+# Rows per group on the host, or a function giving them on demand (it may sync once).
+HostRows = list[int] | Callable[[], list[int]]
 
 
 @functools.lru_cache(maxsize=None)
@@ -131,12 +136,15 @@ def _padded_mm(x_RI, w_GIO, rows_per_group: list[int], offs_G: torch.Tensor | No
     return y_GMO.reshape(num_groups * max_rows, -1)[slot_R]
 
 
-def grouped_mm(x_RI: torch.Tensor, w_GIO: torch.Tensor, rows_per_group: list[int],
+def grouped_mm(x_RI: torch.Tensor, w_GIO: torch.Tensor, rows_per_group: "HostRows",
                offs_G: torch.Tensor | None = None) -> torch.Tensor:
     """y[rows of group g] = x[rows of group g] @ w[g]; rows are contiguous per group, in group order.
 
-    `rows_per_group` is a host list (the dispatcher's one sync); `offs_G` is its int32 cumulative
-    sum on the device, passed in so several GEMMs of one layer build it once.
+    `rows_per_group` is the host list of rows per group, or a function that gives it (a
+    dispatcher's plan, `ExpertChunk.host_rows`, whose first call reads the device: one sync),
+    called only where a path needs the list: the padded fallback, or no `offs_G`. `offs_G` is
+    the int32 cumulative sum on the device, passed in so several GEMMs of one layer build it once;
+    the native path needs nothing else, so a dropless layer on one rank never syncs.
     """
     if torch.is_autocast_enabled(x_RI.device.type):
         # autocast does not cover the private op: cast to the autocast dtype as F.linear would.
@@ -145,20 +153,23 @@ def grouped_mm(x_RI: torch.Tensor, w_GIO: torch.Tensor, rows_per_group: list[int
     if x_RI.shape[0] == 0:
         # No rows: keep both inputs in the graph so their gradients are real zeros, not None.
         return x_RI.new_zeros(0, w_GIO.shape[-1]) + 0.0 * w_GIO.sum() + 0.0 * x_RI.sum()
+    host = rows_per_group if callable(rows_per_group) else lambda: rows_per_group
     if offs_G is None:
-        offs_G = _offsets(rows_per_group, x_RI.device)
+        offs_G = _offsets(host(), x_RI.device)
     if _native_fits(x_RI, w_GIO):
-        if w_GIO.requires_grad and _masks_empty_groups(x_RI.device) and 0 in rows_per_group:
-            # The host list says whether any group is empty (no sync): the mask is a pass over
-            # the whole weight gradient (2.1 ms for Mixtral's [8, 4096, 28672] on an H200, 4.2
-            # of the layer's 70.8 ms with both projections), paid only when it can matter.
+        if w_GIO.requires_grad and _masks_empty_groups(x_RI.device) and (
+                callable(rows_per_group) or 0 in rows_per_group):
+            # The host list, when given, says whether any group is empty (no sync); a plan that
+            # left it on the device gets the mask always rather than a sync. The mask is a pass
+            # over the whole weight gradient (2.1 ms for Mixtral's [8, 4096, 28672] on an H200,
+            # 4.2 of the layer's 70.8 ms with both projections).
             w_GIO = zero_empty_group_grads(w_GIO, offs_G)
         y_RO = torch._grouped_mm(x_RI, w_GIO, offs=offs_G)
         if y_RO.requires_grad:
             # The kernel's backward rejects stride-0 gradients (as from y.sum()): densify them.
             y_RO.register_hook(torch.Tensor.contiguous)
         return y_RO
-    return _padded_mm(x_RI, w_GIO, rows_per_group, offs_G)
+    return _padded_mm(x_RI, w_GIO, host(), offs_G)
 
 
 def _native_fits(x_RI, w_GIO) -> bool:

@@ -103,7 +103,30 @@ def rotary_tables(seq_len: int, head_dim: int, theta: float, dtype=torch.float64
         return (angles_SHd.cos() * scale).to(dtype), (angles_SHd.sin() * scale).to(dtype)
 
 
+class _Rotary(torch.autograd.Function):
+    """x * cos + rotate_half(x) * sin, rotate_half(x) = [-x2, x1]. Saves only cos and sin (the
+    tables, in x's dtype): backward is the rotation by -sin, g * cos + R^T (g * sin) with
+    R^T [a1, a2] = [a2, -a1]. The same ATen ops, on the same values, as autograd of the plain
+    formula, so results are bit-identical to it."""
+
+    @staticmethod
+    def forward(ctx, x_BHSd, cos_SHd, sin_SHd):
+        ctx.save_for_backward(cos_SHd, sin_SHd)
+        x1, x2 = x_BHSd.chunk(2, dim=-1)
+        return x_BHSd * cos_SHd + torch.cat([-x2, x1], dim=-1) * sin_SHd
+
+    @staticmethod
+    def backward(ctx, grad_BHSd):
+        cos_SHd, sin_SHd = ctx.saved_tensors
+        g_sin1, g_sin2 = (grad_BHSd * sin_SHd).chunk(2, dim=-1)
+        return grad_BHSd * cos_SHd + torch.cat([g_sin2, -g_sin1], dim=-1), None, None
+
+
 def apply_rotary(x_BHSd, cos_SHd, sin_SHd):
-    x1, x2 = x_BHSd.chunk(2, dim=-1)
-    rotated = torch.cat([-x2, x1], dim=-1)
-    return x_BHSd * cos_SHd.to(x_BHSd.dtype) + rotated * sin_SHd.to(x_BHSd.dtype)
+    """Rotates the last dim of x (rotate-half form) by the tables, cast to x's dtype."""
+    cos_SHd, sin_SHd = cos_SHd.to(x_BHSd.dtype), sin_SHd.to(x_BHSd.dtype)
+    if cos_SHd.requires_grad or sin_SHd.requires_grad:
+        # (tables are buffers; a caller differentiating through them gets plain autograd)
+        x1, x2 = x_BHSd.chunk(2, dim=-1)
+        return x_BHSd * cos_SHd + torch.cat([-x2, x1], dim=-1) * sin_SHd
+    return _Rotary.apply(x_BHSd, cos_SHd, sin_SHd)

@@ -128,6 +128,9 @@ class Routing:
     # Set by token-choice routing: then n = token * top_k + k (every token has top_k slots), which
     # lets the dispatcher combine by a gather and a K-way sum instead of a scatter-add.
     top_k: int | None = None
+    # True when no assignment can be dropped (dropless top-k, expert choice): then all N are
+    # kept, a number the host knows without reading the device (no sync on one rank).
+    dropless: bool = False
 
 
 @dataclass(frozen=True)
@@ -242,7 +245,7 @@ class TopKRouter(_RouterBase):
             keep_N = self._keep(expert_N, weight_N.detach(), seq_len)
             expert_N = torch.where(keep_N, expert_N, self.num_experts)
         token_N = torch.arange(num_tokens, device=x_TD.device).repeat_interleave(self.top_k)
-        routing = Routing(token_N, expert_N, weight_N, self.top_k)
+        routing = Routing(token_N, expert_N, weight_N, self.top_k, cfg.capacity_factor is None)
         return RouterOutput(routing, *self._losses(logits_TE, scores_TE, experts_TK, expert_N,
                                                    seq_len))
 
@@ -334,7 +337,7 @@ class ExpertChoiceRouter(_RouterBase):
                                        self.num_experts))
         weight_EC, token_EC = scores_TE.t().topk(cap, dim=-1)
         expert_N = torch.arange(self.num_experts, device=x_TD.device).repeat_interleave(cap)
-        routing = Routing(token_EC.flatten(), expert_N, weight_EC.flatten())
+        routing = Routing(token_EC.flatten(), expert_N, weight_EC.flatten(), dropless=True)
         z = _logged_unless(self.cfg.z_coeff, z_loss, logits_TE)
         zero = z.new_zeros(())
         losses = RouterLosses(self.cfg.z_coeff * z if self.cfg.z_coeff else zero, zero, zero,

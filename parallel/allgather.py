@@ -68,6 +68,10 @@ class AllGatherDispatcher:
         """The combine weights of every rank's copies (gathered now that the caller has them),
         my experts' share of every token, summed over the group by a reduce-scatter."""
         (y,) = y_RD
-        partial_all = combine_sorted(y, plan.sorted, all_gather_rows(weight_N, self.group))
-        # Partial sums stay in their promoted dtype: the reduce-scatter adds them on the wire.
-        return reduce_scatter_rows(partial_all, self.group)
+        weight_all = all_gather_rows(weight_N, self.group)
+        partial_all = combine_sorted(y, plan.sorted, weight_all)
+        # The reduce-scatter adds the partial sums on the wire: in the weights' dtype (float32
+        # under bf16, whose combine returns bf16 rows' sums), so the sum over ranks is not bf16.
+        return reduce_scatter_rows(partial_all.to(torch.promote_types(partial_all.dtype,
+                                                                      weight_all.dtype)),
+                                   self.group)

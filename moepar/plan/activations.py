@@ -19,11 +19,11 @@ f bytes of the float32-or-wider maths (router, losses), p bytes of a master para
 | MLA                  | q_a/kv_a norms and q_b/kv_b inputs (Cq, Ckv), q and k (Hl*(N+R)), kv_b's  |
 |                      | output (Hl*(N+V), v is a view of it), output, lse; on CPU (qk != v dims)  |
 |                      | SDPA's math path: probabilities Hl*S per token and a copy of v and of out |
-| dense FFN (SwiGLU)   | input D, [gate|up] 2Fl, silu(gate) Fl, w_out's input Fl (GELU: 2Fl)        |
+| dense FFN (SwiGLU)   | input D, [gate|up] 2Fl, w_out's input Fl (GELU: 2Fl; silu not kept)      |
 | router               | scores, logits and logsumexp (z-loss), top-k ids, norm/sigmoid sums (fp32)|
 | dispatch / combine   | slot->row ids t*K, rows' ids Ns (x2), all-to-all permutations R (x2),     |
 |                      | un-sorted expert outputs t*K*D and weights t*K (fp32)                     |
-| experts (rows R)     | R*(D + 2Fe + Fe + Fe) in the compute dtype                                |
+| experts (rows R)     | R*(D + 2Fe + Fe) in the compute dtype                                     |
 | shared experts       | like a dense FFN on t tokens (+ its input cast and gate under autocast)   |
 | compute weights      | not here: bf16 training keeps them between steps (parallel/precision.py), |
 |                      | counted with the parameters (memory.py); nothing casts a weight per step  |
@@ -155,8 +155,9 @@ def _attention(cfg, s: ActSpec) -> tuple[float, float]:
 
 
 def _ffn(T: float, Fl: int, D: int, activation: str, s: ActSpec) -> float:
-    """A SwiGLU (or GELU) FFN's hidden activations and w_out's input, on T tokens."""
-    return T * Fl * s.a * (4 if activation == "swiglu" else 2)
+    """A SwiGLU (or GELU) FFN's hidden activations and w_out's input, on T tokens (SwiGLU keeps
+    [gate|up] and recomputes silu in backward: layers/experts.py)."""
+    return T * Fl * s.a * (3 if activation == "swiglu" else 2)
 
 
 def _router(cfg, router, s: ActSpec) -> float:
@@ -201,7 +202,8 @@ def layer_bytes(cfg, router, layer: int, s: ActSpec) -> dict:
     saved (kept from forward to backward, token-sized), rows (kept, proportional to the expert
     rows: the MoE dispatch buffers), weights (bf16 copies kept), recompute (the bytes
     recomputing this layer's region needs at once in backward, 0 without recompute), grad (the
-    largest gradient buffer its backward writes: SwiGLU's [rows, 2F]). The last two are for
+    largest gradient buffers its backward holds at once: SwiGLU's halves and their [rows, 2F]
+    cat). The last two are for
     one layer at a time, so they take the busiest layer's rows (s.peak_row_factor)."""
     out = _layer(cfg, router, layer, s)
     if s.peak_row_factor is not None and s.peak_row_factor != s.row_factor:
@@ -219,15 +221,16 @@ def _layer(cfg, router, layer: int, s: ActSpec) -> dict:
         ffn, rows = moe["tokens"], moe["experts"] + moe["row_ids"]
         ffn_w, rows_w = moe["weights"], moe["expert_weights"]
         experts_only = moe["experts"]
+        # SwiGLU's backward holds its halves' gradients and their [rows, 2F] cat at once
         grad = t * cfg.top_k * s.row_factor * cfg.moe_ffn_dim * s.a * (
-            2 if cfg.activation == "swiglu" else 1)
+            4 if cfg.activation == "swiglu" else 1)
     else:
         Fl = cfg.ffn_dim // s.tp
         ffn = _norm(t, D, s) + _proj_input(s, 1, D) + _ffn(s.tokens, Fl, D, cfg.activation, s)
         width = 3 if cfg.activation == "swiglu" else 2
         ffn_w = width * D * Fl * s.a if s.weight_copies else 0
         rows = rows_w = experts_only = 0
-        grad = s.tokens * Fl * s.a * (2 if cfg.activation == "swiglu" else 1)
+        grad = s.tokens * Fl * s.a * (4 if cfg.activation == "swiglu" else 1)
     block = t * D * s.r
     full = {"saved": attn + ffn, "rows": rows, "weights": attn_w + ffn_w + rows_w}
     if s.recompute == "none":

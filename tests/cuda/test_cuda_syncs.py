@@ -1,6 +1,9 @@
-"""On a GPU: one MoE layer's forward syncs the host once (the split sizes, `counts_to_host`) and
-its backward never, checked by `torch.cuda.set_sync_debug_mode("error")`, which raises on any
-synchronizing CUDA call. The one allowed call runs with the check lifted and is counted.
+"""On a GPU: one MoE layer's forward syncs the host at most once (the split sizes,
+`counts_to_host`) and its backward never, checked by `torch.cuda.set_sync_debug_mode("error")`,
+which raises on any synchronizing CUDA call. The allowed call runs with the check lifted and is
+counted: 0 times for a routing that drops nothing (dropless top-k, expert choice) on the local
+dispatcher in bf16 (the native grouped GEMM takes the device offsets), once otherwise (EP
+splits, capacity drops, or the host list float32's fallback GEMM needs).
 
 Covers the local dispatcher and, in a one-rank process group (one GPU), the all-to-all, dedup
 and all-gather dispatchers; the CPU count of the same budget at ep 2 is in tests/dist/test_ep.py.
@@ -72,7 +75,7 @@ ROUTERS = {"dropless": {}, "capacity": dict(capacity_factor=1.0),
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
 @pytest.mark.parametrize("router", ROUTERS.values(), ids=ROUTERS.keys())
 @pytest.mark.parametrize("kind", ["local", "alltoall", "alltoall_dedup", "allgather"])
-def test_moe_syncs_once_forward_never_backward(kind, router, dtype, monkeypatch, one_rank_group):
+def test_moe_syncs_at_most_once_forward_never_backward(kind, router, dtype, monkeypatch, one_rank_group):
     torch.manual_seed(0)
     moe = MoE(DIM, FFN, E, K, num_shared_experts=1, aux_loss_scale=1.0, **router).cuda().to(dtype)
     make = dispatchers(one_rank_group)[kind]
@@ -80,11 +83,13 @@ def test_moe_syncs_once_forward_never_backward(kind, router, dtype, monkeypatch,
         moe.dispatcher = make()
     x = torch.randn(2, T // 2, DIM, device="cuda", dtype=dtype, requires_grad=True)
     moe(x).y.float().square().sum().backward()       # warm-up: the grouped-GEMM probe syncs once
+    want = 0 if kind == "local" and router is not ROUTERS["capacity"] and \
+        dtype == torch.bfloat16 else 1
     with syncs_are_errors(monkeypatch) as calls:
         y = moe(x).y
-        assert len(calls) == 1, calls
+        assert len(calls) == want, calls
         y.float().square().sum().backward()
-        assert len(calls) == 1, calls
+        assert len(calls) == want, calls
     torch.cuda.synchronize()
     assert x.grad is not None and torch.isfinite(x.grad).all()
 
