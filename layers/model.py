@@ -322,7 +322,7 @@ class Transformer(nn.Module):
             moe.aux_loss_scale = scale
 
     def forward(self, x, balance: MicroBalance | None = None, *, cache: KVCache | None = None,
-                logits_to_keep: int = 0, chunk: int | None = None):
+                logits_to_keep: int = 0, chunk: int | None = None, logits: bool = True):
         """`x`: token ids [B, S], or the hidden states [B, S, D] a previous pipeline stage sent
         (this model holds no embedding, or runs a chunk after its first). Returns (logits, or the
         hidden states when this model or chunk does not end the model; the MoE outputs).
@@ -331,7 +331,8 @@ class Transformer(nn.Module):
         the cached ones; their keys and values are added to it. Each call is one capacity group of
         its MoE layers. `logits_to_keep` > 0: logits of the last that many positions only (a
         prompt's prefill needs one row of [S, V], not all). `chunk`: run that chunk of
-        `chunk_slices` only."""
+        `chunk_slices` only. `logits=False`: the final norm's output instead of the logits (the
+        training loss reads it with `head_weight`, layers/loss.py, and never forms the logits)."""
         last_chunk = chunk is None or chunk == self.num_chunks - 1
         start = 0 if cache is None else cache.length
         if self.embed is not None and not chunk:
@@ -358,7 +359,7 @@ class Transformer(nn.Module):
             return x, moe_outputs
         if logits_to_keep:
             x = x[:, -logits_to_keep:]
-        return self.output(x), moe_outputs
+        return (self.output(x) if logits else self.final_hidden(x)), moe_outputs
 
     def new_cache(self, capacity: int | None = None) -> KVCache:
         """An empty KV cache for up to `capacity` positions (default model.max_seq_len)."""
@@ -368,7 +369,15 @@ class Transformer(nn.Module):
                              f"{self.cfg.max_seq_len}")
         return KVCache(len(self.layers), capacity)
 
+    @property
+    def head_weight(self):
+        """The LM head's weight [V, D]: the embedding's when tied."""
+        return self.embed.weight if self.head is None else self.head.weight
+
+    def final_hidden(self, x_BSD):
+        """The final norm: what the head reads."""
+        return self.norm(x_BSD)
+
     def output(self, x_BSD):
         """Final norm and LM head: hidden states -> logits."""
-        weight = self.embed.weight if self.head is None else self.head.weight
-        return F.linear(self.norm(x_BSD), weight)
+        return F.linear(self.final_hidden(x_BSD), self.head_weight)

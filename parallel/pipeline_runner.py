@@ -301,9 +301,12 @@ class PipelineRunner:
                 x.requires_grad_()
         holder = None if state["balance"] is None else MicroBalance()
         with self.autocast():
-            out, moe_outputs = self.stage(x, holder, chunk=c // self.pp)
+            # The last chunk returns the final hidden states: the loss reads them with the head
+            # weight and never forms the logits (parallel/loss.py).
+            out, moe_outputs = self.stage(x, holder, chunk=c // self.pp, logits=False)
             if c == self.num_chunks - 1:
-                loss = self.loss_fn(out, state["targets"][n].to(out.device, non_blocking=True))
+                loss = self.loss_fn(out, self.stage.head_weight,
+                                    state["targets"][n].to(out.device, non_blocking=True))
         # Keep only what statistics need: `y` and the injected loss hold activations and graph.
         state["moe"].setdefault(n, {})[c // self.pp] = [o.statistics() for o in moe_outputs]
         sums = None if holder is None else self._finish_balance(action, holder)
