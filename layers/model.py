@@ -322,7 +322,7 @@ class Transformer(nn.Module):
             moe.aux_loss_scale = scale
 
     def forward(self, x, balance: MicroBalance | None = None, *, cache: KVCache | None = None,
-                logits_to_keep: int = 0, chunk: int | None = None, logits: bool = True):
+                logits_to_keep: int = 0, chunk: int | None = None, head_fn=None):
         """`x`: token ids [B, S], or the hidden states [B, S, D] a previous pipeline stage sent
         (this model holds no embedding, or runs a chunk after its first). Returns (logits, or the
         hidden states when this model or chunk does not end the model; the MoE outputs).
@@ -331,8 +331,10 @@ class Transformer(nn.Module):
         the cached ones; their keys and values are added to it. Each call is one capacity group of
         its MoE layers. `logits_to_keep` > 0: logits of the last that many positions only (a
         prompt's prefill needs one row of [S, V], not all). `chunk`: run that chunk of
-        `chunk_slices` only. `logits=False`: the final norm's output instead of the logits (the
-        training loss reads it with `head_weight`, layers/loss.py, and never forms the logits)."""
+        `chunk_slices` only. `head_fn(h_BSD, head_weight)` replaces the LM head, and its value the
+        logits: the training loss reads the final norm's output and the head weight and never
+        forms the logits (parallel/loss.py). It runs inside forward, so that wrappers that gather
+        parameters around forward and backward (FSDP2) see the head weight used there."""
         last_chunk = chunk is None or chunk == self.num_chunks - 1
         start = 0 if cache is None else cache.length
         if self.embed is not None and not chunk:
@@ -359,7 +361,9 @@ class Transformer(nn.Module):
             return x, moe_outputs
         if logits_to_keep:
             x = x[:, -logits_to_keep:]
-        return (self.output(x) if logits else self.final_hidden(x)), moe_outputs
+        if head_fn is not None:
+            return head_fn(self.final_hidden(x), self.head_weight), moe_outputs
+        return self.output(x), moe_outputs
 
     def new_cache(self, capacity: int | None = None) -> KVCache:
         """An empty KV cache for up to `capacity` positions (default model.max_seq_len)."""

@@ -46,8 +46,9 @@ class LocalRunner:
             targets_BS = targets[n].to(device, non_blocking=True)
             holder = None if step is None else MicroBalance()
             with self.autocast(), torch.no_grad() if forward_only else contextlib.nullcontext():
-                hidden, moe_outputs = self.model(inputs_BS, holder, logits=False)
-                loss = self.loss_fn(hidden, self.model.head_weight, targets_BS)
+                # The loss in place of the head: from the final hidden states and head weight.
+                loss, moe_outputs = self.model(
+                    inputs_BS, holder, head_fn=lambda h, w: self.loss_fn(h, w, targets_BS))
             if forward_only:
                 loss_sum += loss
                 continue
@@ -55,7 +56,7 @@ class LocalRunner:
             # Only statistics outlive the forward: the MoE outputs are not needed by backward
             # and go before it runs (the loss never forms the [B, S, V] logits).
             outputs.append([o.statistics() for o in moe_outputs])
-            del hidden, moe_outputs
+            del moe_outputs
             backward = Action("B", 0, n)
             if before_action is not None:
                 before_action(backward)

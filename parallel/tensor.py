@@ -248,9 +248,9 @@ class SequenceParallelFeedForward(FeedForward):
 
 class TensorParallelTransformer(Transformer):
     """forward(tokens_BS) -> (logits_BSVl, MoE outputs): this rank's vocabulary columns of the
-    padded vocabulary, for every position; with logits=False the final hidden states h_BSD of
-    every position instead, for `vocab_parallel_linear_cross_entropy` with `head_weight` (this
-    rank's [Vl, D] rows).
+    padded vocabulary, for every position; `head_fn` (the training loss) gets every position's
+    final hidden states h_BSD and `head_weight` (this rank's [Vl, D] rows) instead, for
+    `vocab_parallel_linear_cross_entropy`.
 
     MoE layers route this rank's S/tp positions; their routers' `SequenceTokenGroup` makes the
     capacity group and the balance and z losses those of the whole micro-batch (as at tp=1).

@@ -209,9 +209,8 @@ def run_model(reference, model, group, rank, tp):
     column_spec = TPShard(2, tp, padding=padded_vocab_size(vocab, tp) - vocab)
     torch.testing.assert_close(logits, local_shard(logits_ref.detach(), column_spec, rank), **TOL)
     # The training path: hidden states and this rank's head rows, no logits (parallel/loss.py).
-    hidden, moe_outputs = model(tokens, logits=False)
-    loss = vocab_parallel_linear_cross_entropy(hidden, model.head_weight, targets, group, vocab,
-                                               chunk=5)
+    loss, moe_outputs = model(tokens, head_fn=lambda h, w: vocab_parallel_linear_cross_entropy(
+        h, w, targets, group, vocab, chunk=5))
     torch.testing.assert_close(loss, loss_ref, **TOL)
     loss.backward()
     # Routed experts are replicated over tp at ep=1; the data-parallel reducer sums them over
@@ -285,9 +284,10 @@ def case_collective_counts(tp: int):
         cos, sin = model.rope_cos[:S], model.rope_sin[:S]
         y, _ = phase("block forward", lambda: model.layers[0](x, cos, sin))
         phase("block backward", lambda: y.sum().backward())
-        hidden, _ = phase("model forward", lambda: model(tokens, logits=False))
+        (hidden, weight), _ = phase("model forward",
+                                    lambda: model(tokens, head_fn=lambda h, w: (h, w)))
         loss = phase("loss forward", lambda: vocab_parallel_linear_cross_entropy(
-            hidden, model.head_weight, targets, group, TINY["vocab_size"], chunk=5))
+            hidden, weight, targets, group, TINY["vocab_size"], chunk=5))
         phase("model backward", lambda: loss.backward())
         phase("after backward", lambda: reduce_sequence_parallel_grads(model, group))
     finally:

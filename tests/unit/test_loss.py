@@ -127,10 +127,10 @@ def test_model_hidden_states_and_head_weight_give_the_logits_loss(tie):
     ref_model, model = _tiny(tie), _tiny(tie)
     logits, _ = ref_model(tokens)
     F.cross_entropy(logits.flatten(0, 1), targets.flatten()).backward()
-    hidden, _ = model(tokens, logits=False)
+    (hidden, weight), _ = model(tokens, head_fn=lambda h, w: (h, w))
     assert hidden.shape == (2, 12, D)
-    assert (model.head_weight is model.embed.weight) == tie
-    loss = linear_cross_entropy(hidden, model.head_weight, targets, chunk=5)
+    assert (weight is model.embed.weight) == tie and (weight is model.head_weight)
+    loss = linear_cross_entropy(hidden, weight, targets, chunk=5)
     loss.backward()
     want = dict(ref_model.named_parameters())
     for name, p in model.named_parameters():
