@@ -1,7 +1,7 @@
 """The step runner without pipelining (pp = 1): the step's micro-batches one after another,
-forward (to the final hidden states), loss (from them and the head weight, parallel/loss.py),
-backward, with the signature and hooks of `PipelineRunner` (pipeline_runner.py),
-so the handle drives both the same way.
+forward with the loss in place of the LM head (from the final hidden states and the head weight,
+parallel/loss.py), backward, with the signature and hooks of `PipelineRunner`
+(pipeline_runner.py), so the handle drives both the same way.
 
 Talks on `balance_group` (the dp ranks) only for a deferred balance loss at the global scope:
 one all-reduce of (L+1)*E numbers or fewer per micro-batch (layers/balance.py).

@@ -306,7 +306,9 @@ class PipelineRunner:
             head_fn = None
             if c == self.num_chunks - 1:
                 targets = state["targets"][n].to(self.device, non_blocking=True)
-                head_fn = lambda h, w: self.loss_fn(h, w, targets)  # noqa: E731
+
+                def head_fn(h, w):
+                    return self.loss_fn(h, w, targets)
             out, moe_outputs = self.stage(x, holder, chunk=c // self.pp, head_fn=head_fn)
             if c == self.num_chunks - 1:
                 loss = out
