@@ -114,7 +114,7 @@ def rank_footprint(cfg, dims, rank: int, spec: ActSpec, *, num_micro: int, sched
     # recompute) while writing its gradients: the larger of the two on top of what is saved.
     region = max((v["recompute"] for v in per_kind.values()), default=0.0)
     grad = max((v["grad"] for v in per_kind.values()), default=0.0)
-    held = 0.0      # the local loop drops the logits before backward, as the pipeline does
+    held = 0.0      # the fused loss holds no logits into backward (layers/loss.py)
     loss = _loss_working_set(model, spec, dims.pp) if last else 0.0
     # The micro-batch being backwarded has freed its loss and head by the time its layers run.
     head_one = head["saved"]
