@@ -330,7 +330,7 @@ class Transformer(nn.Module):
             moe.aux_loss_scale = scale
 
     def forward(self, x, balance: MicroBalance | None = None, *, cache: KVCache | None = None,
-                logits_to_keep: int = 0, chunk: int | None = None):
+                logits_to_keep: int = 0, chunk: int | None = None, head_fn=None):
         """`x`: token ids [B, S], or the hidden states [B, S, D] a previous pipeline stage sent
         (this model holds no embedding, or runs a chunk after its first). Returns (logits, or the
         hidden states when this model or chunk does not end the model; the MoE outputs).
@@ -339,7 +339,10 @@ class Transformer(nn.Module):
         the cached ones; their keys and values are added to it. Each call is one capacity group of
         its MoE layers. `logits_to_keep` > 0: logits of the last that many positions only (a
         prompt's prefill needs one row of [S, V], not all). `chunk`: run that chunk of
-        `chunk_slices` only."""
+        `chunk_slices` only. `head_fn(h_BSD, head_weight)` replaces the LM head, and its value the
+        logits: the training loss reads the final norm's output and the head weight and never
+        forms the logits (parallel/loss.py). It runs inside forward, so that wrappers that gather
+        parameters around forward and backward (FSDP2) see the head weight used there."""
         last_chunk = chunk is None or chunk == self.num_chunks - 1
         start = 0 if cache is None else cache.length
         if self.embed is not None and not chunk:
@@ -366,6 +369,8 @@ class Transformer(nn.Module):
             return x, moe_outputs
         if logits_to_keep:
             x = x[:, -logits_to_keep:]
+        if head_fn is not None:
+            return head_fn(self.final_hidden(x), self.head_weight), moe_outputs
         return self.output(x), moe_outputs
 
     def new_cache(self, capacity: int | None = None) -> KVCache:
@@ -376,7 +381,15 @@ class Transformer(nn.Module):
                              f"{self.cfg.max_seq_len}")
         return KVCache(len(self.layers), capacity)
 
+    @property
+    def head_weight(self):
+        """The LM head's weight [V, D]: the embedding's when tied."""
+        return self.embed.weight if self.head is None else self.head.weight
+
+    def final_hidden(self, x_BSD):
+        """The final norm: what the head reads."""
+        return self.norm(x_BSD)
+
     def output(self, x_BSD):
         """Final norm and LM head: hidden states -> logits."""
-        weight = self.embed.weight if self.head is None else self.head.weight
-        return F.linear(self.norm(x_BSD), weight)
+        return F.linear(self.final_hidden(x_BSD), self.head_weight)

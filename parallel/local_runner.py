@@ -1,6 +1,7 @@
 """The step runner without pipelining (pp = 1): the step's micro-batches one after another,
-forward, loss, backward, with the signature and hooks of `PipelineRunner` (pipeline_runner.py),
-so the handle drives both the same way.
+forward with the loss in place of the LM head (from the final hidden states and the head weight,
+parallel/loss.py), backward, with the signature and hooks of `PipelineRunner`
+(pipeline_runner.py), so the handle drives both the same way.
 
 Talks on `balance_group` (the dp ranks) only for a deferred balance loss at the global scope:
 one all-reduce of (L+1)*E numbers or fewer per micro-batch (layers/balance.py).
@@ -45,17 +46,17 @@ class LocalRunner:
             targets_BS = targets[n].to(device, non_blocking=True)
             holder = None if step is None else MicroBalance()
             with self.autocast(), torch.no_grad() if forward_only else contextlib.nullcontext():
-                logits, moe_outputs = (self.model(inputs_BS) if holder is None
-                                       else self.model(inputs_BS, holder))
-                loss = self.loss_fn(logits, targets_BS)
+                # The loss in place of the head: from the final hidden states and head weight.
+                loss, moe_outputs = self.model(
+                    inputs_BS, holder, head_fn=lambda h, w: self.loss_fn(h, w, targets_BS))
             if forward_only:
                 loss_sum += loss
                 continue
             self.balance_values.append(None if step is None else step.finish(holder))
-            # Only statistics outlive the forward: the logits ([B, S, V], the largest activation)
-            # and the MoE outputs are not needed by backward and go before it runs.
+            # Only statistics outlive the forward: the MoE outputs are not needed by backward
+            # and go before it runs (the loss never forms the [B, S, V] logits).
             outputs.append([o.statistics() for o in moe_outputs])
-            del logits, moe_outputs
+            del moe_outputs
             backward = Action("B", 0, n)
             if before_action is not None:
                 before_action(backward)

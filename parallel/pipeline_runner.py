@@ -301,9 +301,17 @@ class PipelineRunner:
                 x.requires_grad_()
         holder = None if state["balance"] is None else MicroBalance()
         with self.autocast():
-            out, moe_outputs = self.stage(x, holder, chunk=c // self.pp)
+            # The last chunk's loss replaces its head: from the final hidden states and the
+            # head weight, never the logits (parallel/loss.py).
+            head_fn = None
             if c == self.num_chunks - 1:
-                loss = self.loss_fn(out, state["targets"][n].to(out.device, non_blocking=True))
+                targets = state["targets"][n].to(self.device, non_blocking=True)
+
+                def head_fn(h, w):
+                    return self.loss_fn(h, w, targets)
+            out, moe_outputs = self.stage(x, holder, chunk=c // self.pp, head_fn=head_fn)
+            if c == self.num_chunks - 1:
+                loss = out
         # Keep only what statistics need: `y` and the injected loss hold activations and graph.
         state["moe"].setdefault(n, {})[c // self.pp] = [o.statistics() for o in moe_outputs]
         sums = None if holder is None else self._finish_balance(action, holder)

@@ -14,7 +14,7 @@ the way in and reduce-scatter it on the way out:
 | attention / MLA / FFN out | reduce-scatter along S         | all-gather along S             |
 | "full" q/k norm           | all-reduce sum of squares      | all-reduce                     |
 | LM head in                | all-gather along S             | reduce-scatter along S         |
-| loss (vocab.py)           | 2 all-reduces                  | none                           |
+| loss (vocab.py)           | 2 all-reduces (per call)       | none                           |
 | MoE router (sequence_     | 1 all-reduce of loss sums; with| none                           |
 |   router.py)              | capacity, 1 all-gather of picks|                                |
 | after backward            | reduce_sequence_parallel_grads: 1 all-reduce (partial grads)    |
@@ -293,7 +293,9 @@ class SequenceParallelFeedForward(FeedForward):
 
 class TensorParallelTransformer(Transformer):
     """forward(tokens_BS) -> (logits_BSVl, MoE outputs): this rank's vocabulary columns of the
-    padded vocabulary, for every position; take the loss with `vocab_parallel_cross_entropy`.
+    padded vocabulary, for every position; `head_fn` (the training loss) gets every position's
+    final hidden states h_BSD and `head_weight` (this rank's [Vl, D] rows) instead, for
+    `vocab_parallel_linear_cross_entropy`.
 
     MoE layers route this rank's S/tp positions; their routers' `SequenceTokenGroup` makes the
     capacity group and the balance and z losses those of the whole micro-batch (as at tp=1).
@@ -310,12 +312,10 @@ class TensorParallelTransformer(Transformer):
                              "between blocks)")
         return super().forward(x, balance, **kwargs)   # the blocks run on sequence slices x_BsD
 
-    def output(self, x_BsD):
-        """Final norm on this rank's slice, then the whole sequence through its vocabulary
-        columns."""
-        x_BSD = gather_sequence(self.norm(x_BsD), self.tp_group)
-        weight = self.embed.weight if self.head is None else self.head.weight
-        return F.linear(x_BSD, weight)
+    def final_hidden(self, x_BsD):
+        """Final norm on this rank's slice, then the whole sequence (the head, `output`, takes it
+        through this rank's vocabulary columns)."""
+        return gather_sequence(self.norm(x_BsD), self.tp_group)
 
 
 # ---- apply ----------------------------------------------------------------------------------

@@ -7,6 +7,8 @@ Vp = V padded to a multiple of tp, Vl = Vp/tp rows per rank, N tokens.
 |-------------------------------|---------------------------------------------------|---------------------------------|-----------|
 | VocabParallelEmbedding        | local lookup, reduce-scatter along the sequence   | all-gather along the sequence   | none      |
 | vocab_parallel_cross_entropy  | all-reduce max; all-reduce [sum exp, target logit]| none (local softmax - one-hot)  | none      |
+| vocab_parallel_linear_cross_  | the same two, once per call on [N] vectors        | none (dh partial: summed by the | none      |
+|   entropy (from hidden states)|                                                   | head input's reduce-scatter)    |           |
 
 Rank r holds rows [r*Vl, (r+1)*Vl) of the padded table (and of the LM head). Rows >= V are
 zeros that no id looks up, and the loss masks their logits to -inf, so they never get
@@ -17,9 +19,12 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from moepar.layers.loss import linear_cross_entropy_tokens
+
 from .comm import group_size, reduce_scatter_rows
 
-__all__ = ["padded_vocab_size", "VocabParallelEmbedding", "vocab_parallel_cross_entropy"]
+__all__ = ["padded_vocab_size", "VocabParallelEmbedding", "vocab_parallel_cross_entropy",
+           "vocab_parallel_linear_cross_entropy"]
 
 
 def padded_vocab_size(vocab_size: int, tp: int) -> int:
@@ -107,6 +112,44 @@ def vocab_parallel_cross_entropy(logits_local, targets, group, vocab_size: int,
                          f"vocab_size={vocab_size}")
     loss_N = _VocabParallelCrossEntropy.apply(logits_local.reshape(-1, num_local),
                                               targets.reshape(-1), group, vocab_start, vocab_size)
+    if reduction == "mean":
+        return loss_N.mean()
+    return loss_N.sum() if reduction == "sum" else loss_N.view(targets.shape)
+
+
+def _combine_over(group):
+    """combine() for layers/loss.py over the vocabulary slices of `group`: each rank's [N] maxima,
+    sums of exponentials (relative to its own max) and target logits (zero where another rank
+    holds the target) -> the full vocabulary's logsumexp and target logit."""
+    def combine(max_N, sumexp_N, target_N):
+        global_N = _all_reduce(max_N.clone(), dist.ReduceOp.MAX, group)
+        # One all-reduce for both sums: each token's target logit lives on exactly one rank.
+        sums_2N = torch.stack([sumexp_N * (max_N - global_N).exp(), target_N])
+        sums_2N = _all_reduce(sums_2N, dist.ReduceOp.SUM, group)
+        return global_N + sums_2N[0].log(), sums_2N[1]
+    return combine
+
+
+def vocab_parallel_linear_cross_entropy(h, w_local, targets, group, vocab_size: int,
+                                        reduction: str = "mean", chunk: int | None = None):
+    """F.cross_entropy(h @ W_full.T, targets) from this rank's head rows `w_local` [Vl, D] (rows
+    [tp_rank*Vl, (tp_rank+1)*Vl) of the padded vocabulary), chunked over tokens so no [N, Vl]
+    logits exist at once (layers/loss.py). h [..., D]: every position's final hidden state (the
+    same on every rank); targets [...]: global ids < vocab_size. Every tp rank returns the same
+    loss; backward gives each rank its rows' dW and its columns' share of dh (summed over tp by
+    the backward of the sequence gather that made h), with no communication.
+    Forward: all-reduce (max, 1 float per token) and all-reduce (sum, 2 floats per token) over
+    `group`, once per call; no host sync."""
+    if reduction not in ("mean", "sum", "none"):
+        raise ValueError(f"reduction={reduction!r} is not one of 'mean', 'sum', 'none'")
+    num_local = w_local.shape[0]
+    vocab_start = dist.get_rank(group) * num_local if group_size(group) > 1 else 0
+    if num_local * group_size(group) < vocab_size:
+        raise ValueError(f"{num_local} head rows per rank x tp={group_size(group)} do not cover "
+                         f"vocab_size={vocab_size}")
+    loss_N = linear_cross_entropy_tokens(h.reshape(-1, h.shape[-1]), w_local, targets.reshape(-1),
+                                         vocab_start=vocab_start, vocab_size=vocab_size,
+                                         combine=_combine_over(group), chunk=chunk)
     if reduction == "mean":
         return loss_N.mean()
     return loss_N.sum() if reduction == "sum" else loss_N.view(targets.shape)

@@ -27,7 +27,8 @@ f bytes of the float32-or-wider maths (router, losses), p bytes of a master para
 | shared experts       | like a dense FFN on t tokens (+ its input cast and gate under autocast)   |
 | compute weights      | not here: bf16 training keeps them between steps (parallel/precision.py), |
 |                      | counted with the parameters (memory.py); nothing casts a weight per step  |
-| embedding / head     | token ids; final norm, head input, fp32 log-softmax T*Vl (and targets)    |
+| embedding / head     | token ids; final norm, the head's input h (T*D*r), targets and the fused  |
+|                      | loss's per-token logsumexp (no logits: layers/loss.py)                    |
 
 Recompute: "full" keeps each block's input only (t*D*r); "attention" keeps the attention
 sub-block's input instead of its activations; "experts" keeps the expert rows' input R*D instead
@@ -255,9 +256,10 @@ def embed_bytes(cfg, s: ActSpec) -> float:
 
 
 def head_bytes(cfg, s: ActSpec) -> dict:
-    """The final norm, LM head and loss (last chunk): saved, and its bf16 weight copy."""
+    """The final norm, LM head and loss (last chunk): saved, and its bf16 weight copy. The fused
+    loss (layers/loss.py) keeps h_TD as the norm gave it and [T] vectors, never the logits."""
     D, T = cfg.dim, s.tokens
     Vl = -(-cfg.vocab_size // s.tp)
-    saved = _norm(s.local_tokens, D, s) + _proj_input(s, 1, D)
-    saved += T * Vl * s.f + T * 8                                  # fp32 log-softmax; targets
+    saved = _norm(s.local_tokens, D, s) + T * D * s.r
+    saved += T * (8 + s.f + 8 + 1)         # targets; logsumexp; target's column and owner mask
     return {"saved": saved, "weights": Vl * D * s.a if s.weight_copies else 0.0}

@@ -16,8 +16,9 @@ buffers, the backward's transient peak, and a fixed framework overhead.
 | comm_buffers   | ZeRO-0/2 flat gradient copies (ZeRO-2: at most IN_FLIGHT + 1 buckets of     |
 |                | parallel.bucket_mb), ZeRO-3 gathered blocks, all-to-all send/receive rows,  |
 |                | pipeline stage outputs and receive buffers                                  |
-| transient      | backward's working set: the loss's fp32 logit gradients on the last stage,  |
-|                | or a layer's largest gradient buffer (SwiGLU's [rows, 2F])                  |
+| transient      | backward's working set: the fused loss's on the last stage (one chunk's     |
+|                | logits, dh, dW and its float32 sum), or a layer's largest gradient buffer   |
+|                | (SwiGLU's [rows, 2F])                                                       |
 | overhead       | fixed (the GPU's CUDA context, workspaces, NCCL); 0 for CPU estimates        |
 
 In-flight micro-batches per pipeline rank r (p ranks, m micro-batches, v chunks per rank), the
@@ -26,6 +27,7 @@ closed forms of `schedules.peak_in_flight` (a test checks them against the sched
 chunk-micro-batches, each about 1/v of the rank's layers.
 """
 
+from moepar.layers.loss import chunk_tokens
 from moepar.parallel.pipeline import rank_chunks, split_layers
 from moepar.parallel.zero import ZeroReducer
 
@@ -112,7 +114,7 @@ def rank_footprint(cfg, dims, rank: int, spec: ActSpec, *, num_micro: int, sched
     # recompute) while writing its gradients: the larger of the two on top of what is saved.
     region = max((v["recompute"] for v in per_kind.values()), default=0.0)
     grad = max((v["grad"] for v in per_kind.values()), default=0.0)
-    held = 0.0      # the local loop drops the logits before backward, as the pipeline does
+    held = 0.0      # the fused loss holds no logits into backward (layers/loss.py)
     loss = _loss_working_set(model, spec, dims.pp) if last else 0.0
     # The micro-batch being backwarded has freed its loss and head by the time its layers run.
     head_one = head["saved"]
@@ -166,9 +168,12 @@ def _sync_buffers(spec: ActSpec, elements: int, wire: int, num_layers: int,
 
 
 def _loss_working_set(model, spec: ActSpec, pp: int) -> float:
-    """The loss's backward on the last stage: fp32 gradients of the log-softmax and of the
-    logits (one with the vocabulary-parallel loss), and the cast back under autocast."""
+    """The fused loss's backward on the last stage (layers/loss.py): one chunk's recomputed
+    logits (softmax - onehot in float32 or wider, and its compute-dtype cast), dh, and dW (under
+    a 16-bit compute dtype: its float32 sum and one chunk's product beside it)."""
     Vl = -(-model.vocab_size // spec.tp)
-    grads = 2 if spec.tp == 1 else 1
-    width = grads * spec.f + (spec.a if spec.a < spec.f else 0)
-    return spec.tokens * Vl * width
+    T, D = spec.tokens, model.dim
+    chunk = min(T, chunk_tokens(Vl))
+    logits = chunk * Vl * (spec.f + (spec.a if spec.a < spec.f else 0))
+    dw = Vl * D * (4 + spec.a if spec.a < spec.f else spec.a)
+    return logits + T * D * spec.r + dw

@@ -58,9 +58,10 @@ def stage_seconds(cfg, spec, gpu, stage: dict, links: dict) -> dict:
     head = T * head_flops(model) / tp if stage["last"] else 0.0
     extra = {"none": 0.0, "full": layers_fwd, "attention": (stage["dense"] + stage["moe"]) * attn,
              "experts": stage["moe"] * experts}[spec.recompute]
-    flops = 3 * (layers_fwd + head) + extra
+    # The fused loss recomputes the head's logits in backward (layers/loss.py): one head forward.
+    flops = 3 * (layers_fwd + head) + extra + head
     compute = flops / (gpu.tflops * 1e12 * gpu.compute_efficiency)
-    out = {"compute": compute, "backward": 2 * (layers_fwd + head) / (
+    out = {"compute": compute, "backward": (2 * layers_fwd + 3 * head) / (
         gpu.tflops * 1e12 * gpu.compute_efficiency), "tp": 0.0, "a2a": 0.0, "p2p": 0.0}
     if tp > 1:
         regions = 2 * stage["dense"] + stage["moe"]          # attention + dense FFN

@@ -20,9 +20,9 @@ from moepar.parallel.loss import cross_entropy
 from moepar.parallel.schedules import measured_bubble, peak_in_flight, rank_order
 
 
-def aux_only(logits_BSV, targets_BS):
+def aux_only(h_BSD, w_VD, targets_BS):
     """No language-model gradient at all: whatever reaches a router comes from its aux losses."""
-    return 0.0 * logits_BSV.sum()
+    return 0.0 * F.linear(h_BSD, w_VD).sum()
 
 
 LOSSES = {"ce": cross_entropy, "aux_only": aux_only}
@@ -36,7 +36,7 @@ def reference_step(model, inputs, targets, loss_fn):
     for x, y in zip(inputs, targets):
         logits, outs = model(x)
         loss = F.cross_entropy(logits.flatten(0, 1), y.flatten()) if loss_fn is cross_entropy \
-            else loss_fn(logits, y)
+            else 0.0 * logits.sum()
         (loss / m).backward()
         total += loss.item()
         moe.append(outs)

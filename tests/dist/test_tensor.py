@@ -19,7 +19,8 @@ from moepar.parallel.tensor import (ColumnParallelLinear, RowParallelLinear, TPS
                                     local_shard, reduce_from_tp, reduce_sequence_parallel_grads,
                                     scatter_sequence, tp_norm_parameters, tp_shard_spec)
 from moepar.parallel.vocab import (VocabParallelEmbedding, padded_vocab_size,
-                                   vocab_parallel_cross_entropy)
+                                   vocab_parallel_cross_entropy,
+                                   vocab_parallel_linear_cross_entropy)
 
 TOL = dict(rtol=1e-10, atol=1e-12)
 B, S = 2, 8
@@ -118,6 +119,30 @@ def case_vocab(tp: int, vocab: int):
         (loss * weight).sum().backward()
         torch.testing.assert_close(mine.grad, local_shard(logits.grad, column_spec, rank), **TOL)
 
+    # From hidden states and this rank's head rows, chunked (3 tokens: chunks that do not divide
+    # the 16 tokens; None: one chunk): dh is this rank's share, summed over tp here (the model's
+    # sequence gather does it in backward).
+    h = torch.randn(B, S, 5, dtype=torch.float64, generator=gen, requires_grad=True)
+    head = torch.randn(vocab, 5, dtype=torch.float64, generator=gen, requires_grad=True)
+    for reduction in ("mean", "sum", "none"):
+        for chunk in (3, None):
+            h.grad = head.grad = None
+            ref = F.cross_entropy(F.linear(h, head).flatten(0, 1), targets.flatten(),
+                                  reduction=reduction)
+            ref = ref.view(B, S) if reduction == "none" else ref
+            h_mine = h.detach().clone().requires_grad_()
+            w_mine = local_shard(head.detach(), spec, rank).requires_grad_()
+            loss = vocab_parallel_linear_cross_entropy(h_mine, w_mine, targets, group, vocab,
+                                                       reduction, chunk=chunk)
+            torch.testing.assert_close(loss, ref, **TOL)
+            weight = torch.rand(ref.shape, dtype=torch.float64, generator=gen)
+            (ref * weight).sum().backward()
+            (loss * weight).sum().backward()
+            dh = h_mine.grad.clone()
+            dist.all_reduce(dh, group=group)
+            torch.testing.assert_close(dh, h.grad, **TOL)
+            torch.testing.assert_close(w_mine.grad, local_shard(head.grad, spec, rank), **TOL)
+
 
 # ---- layers and whole models ------------------------------------------------------------------
 
@@ -179,10 +204,13 @@ def run_model(reference, model, group, rank, tp):
     logits_ref, _ = reference(tokens)
     loss_ref = F.cross_entropy(logits_ref.flatten(0, 1), targets.flatten())
     loss_ref.backward()
-    logits, moe_outputs = model(tokens)
+    with torch.no_grad():
+        logits, _ = model(tokens)
     column_spec = TPShard(2, tp, padding=padded_vocab_size(vocab, tp) - vocab)
     torch.testing.assert_close(logits, local_shard(logits_ref.detach(), column_spec, rank), **TOL)
-    loss = vocab_parallel_cross_entropy(logits, targets, group, vocab)
+    # The training path: hidden states and this rank's head rows, no logits (parallel/loss.py).
+    loss, moe_outputs = model(tokens, head_fn=lambda h, w: vocab_parallel_linear_cross_entropy(
+        h, w, targets, group, vocab, chunk=5))
     torch.testing.assert_close(loss, loss_ref, **TOL)
     loss.backward()
     # Routed experts are replicated over tp at ep=1; the data-parallel reducer sums them over
@@ -256,9 +284,10 @@ def case_collective_counts(tp: int):
         cos, sin = model.rope_cos[:S], model.rope_sin[:S]
         y, _ = phase("block forward", lambda: model.layers[0](x, cos, sin))
         phase("block backward", lambda: y.sum().backward())
-        logits, _ = phase("model forward", lambda: model(tokens))
-        loss = phase("loss forward", lambda: vocab_parallel_cross_entropy(
-            logits, targets, group, TINY["vocab_size"]))
+        (hidden, weight), _ = phase("model forward",
+                                    lambda: model(tokens, head_fn=lambda h, w: (h, w)))
+        loss = phase("loss forward", lambda: vocab_parallel_linear_cross_entropy(
+            hidden, weight, targets, group, TINY["vocab_size"], chunk=5))
         phase("model backward", lambda: loss.backward())
         phase("after backward", lambda: reduce_sequence_parallel_grads(model, group))
     finally:
@@ -333,7 +362,8 @@ def test_collective_counts(worlds):
     assert phases["block forward"] == {"all_gather": 2, "reduce_scatter": 2, "all_reduce": 2}
     assert phases["block backward"] == {"all_gather": 2, "reduce_scatter": 2, "all_reduce": 2}
     # The model adds the embedding's reduce-scatter and the head's all-gather; the loss two
-    # all-reduces forward and nothing backward; one all-reduce of replicated grads per step.
+    # all-reduces forward (once per call, whatever its chunks) and nothing backward; one
+    # all-reduce of replicated grads per step.
     per_model = {"all_gather": 2 * layers + 1, "reduce_scatter": 2 * layers + 1,
                  "all_reduce": 2 * layers}
     assert phases["model forward"] == per_model

@@ -78,9 +78,9 @@ def test_nonfinite_step_is_skipped_and_parameters_untouched(tmp_path):
     exp_avg = {id(p): trainer.optimizer.state[p]["exp_avg"].clone() for p in trainer.model.parameters()}
     real_forward = trainer.model.forward
 
-    def poisoned(tokens):
-        logits, outs = real_forward(tokens)
-        return logits * float("nan"), outs
+    def poisoned(tokens, *args, **kwargs):   # the final hidden states (or logits), poisoned
+        out, outs = real_forward(tokens, *args, **kwargs)
+        return out * float("nan"), outs
 
     trainer.model.forward = poisoned
     messages = []
