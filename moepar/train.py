@@ -281,8 +281,8 @@ class Trainer:
             engine.zero_grad()
             if self._params_unchecked_from is None:
                 self._params_unchecked_from = self.step
-            if self._check_params_due():
-                self._params_check = engine.parameters_norm()
+        if self._params_unchecked_from is not None and self._check_params_due():
+            self._params_check = engine.parameters_norm()     # read at the next step's sync
         elapsed = time.perf_counter() - start
         tokens = tcfg.global_batch_size * tcfg.seq_len
         # The router statistics join the record when the run loop reads them, in a batch
