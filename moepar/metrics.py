@@ -3,14 +3,17 @@
 Legend: L MoE layers, E experts, P expert-parallel ranks.
 
 `StepStats` is owned by one training step: every micro-batch adds each MoE layer's losses and
-loads (device tensors, no sync); `summary()` turns them into numbers once at step end. Parallel
-runs reduce the same tensors across ranks before that (every rank, same order).
+loads (device tensors, no sync); parallel runs reduce them across ranks at step end (every rank,
+same order). `PendingMetrics` keeps each step's numbers on the device and reads every pending
+step in one device-to-host copy when the trainer flushes (every run.log_every steps, before
+saves, at the end); `summary()` reads one step's at once.
 
 Its rows are the MoE layers in model order; everything a user reads names a layer by the model's
 layer number (`layer_3` is model layer 3, see `moe_layer_numbers`), never by its row.
 
-Files in the run directory, written by rank 0 only, one JSON object per line, appended per step
-(a crash can tear only the last line) and trimmed to the resumed checkpoint's step on resume:
+Files in the run directory, written by rank 0 only, one JSON object per line and step, appended
+a flush at a time (a crash can tear only the last line) and trimmed to the resumed checkpoint's
+step on resume:
 
 | file               | first line | one line per step                                            |
 |--------------------|------------|--------------------------------------------------------------|

@@ -13,7 +13,8 @@ then gives the mean over all micro-batches, as on one process.
 
 When a run must stop, every rank stops at the same step, because each decision rests on numbers
 all ranks share: the global loss and grad norm, and one small all-reduce per step (MAX) of two
-flags, "parameters went non-finite in the last update" and "SIGTERM arrived". Those ride the one
+flags, "parameters went non-finite in the last updates" (checked at step 1 and every
+run.log_every steps, see `_check_params_due`) and "SIGTERM arrived". Those ride the one
 host sync a step already makes (loss and grad norm), so the checks cost no extra sync:
 - more than train.max_skipped_steps skipped steps in a row, or non-finite parameters after an
   update: NonFiniteError (exit 3), nothing saved after the damage;
