@@ -10,9 +10,11 @@ import torch
 from moepar.config import RunConfig
 from moepar.layers import Transformer
 from moepar.parallel import Options, ParallelDims, parallelize
+from moepar.parallel.adamw import AdamW
 from moepar.parallel.schedules import check_schedule
 
-__all__ = ["build_dims", "build_engine", "adamw_factory", "PARAM_DTYPES", "COMPUTE_DTYPES"]
+__all__ = ["build_dims", "build_engine", "adamw_factory", "PARAM_DTYPES", "COMPUTE_DTYPES",
+           "STATE_DTYPES"]
 
 # The masters (what the optimizer steps and checkpoints hold) per train.dtype, and the compute
 # dtype of bf16/fp16 training (parallel/precision.py: the model's weights between steps).
@@ -21,15 +23,22 @@ PARAM_DTYPES = {"float32": torch.float32, "bfloat16": torch.float32, "float16": 
 COMPUTE_DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
+# The dtype of AdamW's moments per train.optim_state_dtype (None: the masters', torch's own step).
+STATE_DTYPES = {"float32": None, "bfloat16": torch.bfloat16}
+
+
 def adamw_factory(cfg, fused: bool = False):
     """make_adamw(decay, no_decay): AdamW with weight decay on matrices (and expert stacks) only;
-    the fused kernel on CUDA."""
+    the fused kernel on CUDA while the moments are the masters' dtype (bf16 moments step with
+    foreach arithmetic, parallel/adamw.py)."""
+    state_dtype = STATE_DTYPES[cfg.optim_state_dtype]
+
     def make(decay, no_decay):
         groups = [{"params": decay, "weight_decay": cfg.weight_decay},
                   {"params": no_decay, "weight_decay": 0.0}]
-        kind = {"fused": True} if fused else {"foreach": True}
-        return torch.optim.AdamW(groups, lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), eps=cfg.eps,
-                                 **kind)
+        kind = {"fused": True} if fused and state_dtype is None else {"foreach": True}
+        return AdamW(groups, lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), eps=cfg.eps,
+                     state_dtype=state_dtype, **kind)
     return make
 
 

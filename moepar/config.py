@@ -27,6 +27,7 @@ __all__ = ["RunConfig", "ParallelConfig", "TrainConfig", "DataConfig", "OutputCo
            "to_dict", "sections_toml", "config_reference", "model_sections"]
 
 DTYPES = ("float32", "bfloat16", "float16", "float64")
+OPTIM_STATE_DTYPES = ("float32", "bfloat16")
 # Keys an older moepar read, and what says the same now (a config that sets one is refused with this).
 RENAMED = {"parallel.dedup": 'set parallel.dispatcher = "dedup" (the dispatcher kinds are one key)'}
 DATA_SOURCES = ("builtin", "text", "tokens")
@@ -120,6 +121,7 @@ class TrainConfig:
     eps: float = 1e-8
     grad_clip: float = 1.0         # max global grad norm; 0 disables clipping
     dtype: str = "float32"         # float32, bfloat16 or float16 (float32 masters), float64 (exact tests)
+    optim_state_dtype: str = "float32"  # AdamW moments: float32, or bfloat16 (half the state; maths stays float32)
     fp32_residual: bool = False    # bfloat16/float16: keep the residual stream float32 (autocast at matmuls)
     loss_scale: float = 0.0        # float16: initial dynamic scale (0: 2^16); else > 0: fixed scale
     activation_checkpointing: bool = False  # the older spelling of recompute = "full"
@@ -142,6 +144,9 @@ class TrainConfig:
                              f"of train.micro_batch_size={self.micro_batch_size}")
         if self.dtype not in DTYPES:
             raise ValueError(f"train.dtype={self.dtype!r} is not one of {DTYPES}")
+        if self.optim_state_dtype not in OPTIM_STATE_DTYPES:
+            raise ValueError(f"train.optim_state_dtype={self.optim_state_dtype!r} is not one of "
+                             f"{OPTIM_STATE_DTYPES} (the dtype AdamW stores its moments in)")
         if self.device not in ("auto", "cpu", "cuda"):
             raise ValueError(f"train.device={self.device!r} is not one of 'auto', 'cpu', 'cuda'")
         if self.recompute not in RECOMPUTE:

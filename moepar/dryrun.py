@@ -13,7 +13,7 @@ ZeRO shards over the fewest ranks and each rank holds the most.
 
 from moepar.build import COMPUTE_DTYPES, PARAM_DTYPES, build_dims
 from moepar.config import to_toml
-from moepar.plan.memory import param_count, rank_memory, tensor_shapes
+from moepar.plan.memory import moment_bytes, param_count, rank_memory, tensor_shapes
 from moepar.progress import count_text
 
 __all__ = ["dry_run", "dry_run_text", "rank_kinds"]
@@ -31,7 +31,8 @@ def rank_kinds(cfg, dims) -> list[dict]:
     kinds: dict[tuple, dict] = {}
     for rank in range(dims.world_size):
         memory = rank_memory(cfg.model, dims, rank, p.zero, element, p.pp_virtual,
-                             p.pp_layers or None, shapes=shapes, compute_bytes=compute)
+                             p.pp_layers or None, shapes=shapes, compute_bytes=compute,
+                             moment_bytes=moment_bytes(cfg.train))
         # ... and keep their bf16 compute weights beside them (parallel/precision.py)
         memory["params"] += memory.pop("compute_weights")
         key = tuple(sorted(memory.items()))

@@ -54,11 +54,12 @@ def check_fits(need: int, device, what: str, have: int | None = None):
 
 def _rank_bytes(cfg, dims, rank: int) -> int:
     from moepar.build import COMPUTE_DTYPES, PARAM_DTYPES
-    from moepar.plan.memory import rank_memory
+    from moepar.plan.memory import moment_bytes, rank_memory
     p, dtype = cfg.parallel, cfg.train.dtype
     compute = COMPUTE_DTYPES[dtype].itemsize if dtype in COMPUTE_DTYPES else 0
     m = rank_memory(cfg.model, dims, rank, p.zero, PARAM_DTYPES[dtype].itemsize,
-                    p.pp_virtual, p.pp_layers or None, compute_bytes=compute)
+                    p.pp_virtual, p.pp_layers or None, compute_bytes=compute,
+                    moment_bytes=moment_bytes(cfg.train))
     return int(m["params"] + m["compute_weights"] + m["grads"] + m["optimizer"])
 
 

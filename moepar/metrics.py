@@ -3,14 +3,17 @@
 Legend: L MoE layers, E experts, P expert-parallel ranks.
 
 `StepStats` is owned by one training step: every micro-batch adds each MoE layer's losses and
-loads (device tensors, no sync); `summary()` turns them into numbers once at step end. Parallel
-runs reduce the same tensors across ranks before that (every rank, same order).
+loads (device tensors, no sync); parallel runs reduce them across ranks at step end (every rank,
+same order). `PendingMetrics` keeps each step's numbers on the device and reads every pending
+step in one device-to-host copy when the trainer flushes (every run.log_every steps, before
+saves, at the end); `summary()` reads one step's at once.
 
 Its rows are the MoE layers in model order; everything a user reads names a layer by the model's
 layer number (`layer_3` is model layer 3, see `moe_layer_numbers`), never by its row.
 
-Files in the run directory, written by rank 0 only, one JSON object per line, appended per step
-(a crash can tear only the last line) and trimmed to the resumed checkpoint's step on resume:
+Files in the run directory, written by rank 0 only, one JSON object per line and step, appended
+a flush at a time (a crash can tear only the last line) and trimmed to the resumed checkpoint's
+step on resume:
 
 | file               | first line | one line per step                                            |
 |--------------------|------------|--------------------------------------------------------------|
@@ -27,9 +30,10 @@ import json
 import math
 import os
 
+import numpy as np
 import torch
 
-__all__ = ["StepStats", "MetricsWriter", "imbalance_L", "moe_layer_numbers", "LOAD_FILE",
+__all__ = ["StepStats", "PendingMetrics", "MetricsWriter", "SUMMARY_KEYS", "imbalance_L", "moe_layer_numbers", "LOAD_FILE",
            "LOAD_FORMAT", "LOAD_VERSION"]
 
 LOAD_FILE = "expert_load.jsonl"
@@ -94,22 +98,26 @@ class StepStats:
             import torch.distributed as dist
             self.num_micro_batches *= dist.get_world_size(group)
 
-    def summary(self) -> dict:
-        """Scalars for this step; loads are routed copies before drops. A model without MoE
-        layers (model.num_experts = 0, or every layer dense) has none of them."""
-        if self.tokens_LE.shape[0] == 0:
-            return {}
+    def summary_6(self) -> torch.Tensor:
+        """The step's scalars on the device, no sync: [aux_loss, z_loss, balance (mean over
+        layers), drop_fraction, max_load_ratio, load_cv] (float64); loads are routed copies
+        before drops. Empty for a model without MoE layers."""
         num_layers = self.tokens_LE.shape[0]
-        losses = (self.losses_3 / max(self.num_micro_batches, 1)).tolist()
+        if num_layers == 0:
+            return self.losses_3.new_zeros(0)
+        losses_3 = self.losses_3 / max(self.num_micro_batches, 1)
         max_ratio_L, cv_L = imbalance_L(self.tokens_LE)
-        return {
-            "aux_loss": losses[0],
-            "z_loss": losses[1],
-            "balance": losses[2] / num_layers,
-            "drop_fraction": float(self.dropped_L.sum() / self.assignments_L.sum().clamp_min(1)),
-            "max_load_ratio": float(max_ratio_L.max()) if max_ratio_L.numel() else 0.0,
-            "load_cv": float(cv_L.mean()) if cv_L.numel() else 0.0,
-        }
+        return torch.stack([losses_3[0], losses_3[1], losses_3[2] / num_layers,
+                            self.dropped_L.sum() / self.assignments_L.sum().clamp_min(1),
+                            max_ratio_L.max(), cv_L.mean()])
+
+    def summary(self) -> dict:
+        """`summary_6` read on the host (one sync) and named. A model without MoE layers
+        (model.num_experts = 0, or every layer dense) has none of them."""
+        return dict(zip(SUMMARY_KEYS, self.summary_6().tolist()))
+
+
+SUMMARY_KEYS = ("aux_loss", "z_loss", "balance", "drop_fraction", "max_load_ratio", "load_cv")
 
 
 def imbalance_L(tokens_LE: torch.Tensor):
@@ -159,15 +167,77 @@ def _numbers(values: list[float]) -> list:
     return [int(v) if math.isfinite(v) and v.is_integer() else v for v in values]
 
 
-def load_record(step: int, stats: StepStats, expert_bias_LE=None) -> dict:
-    """One expert_load.jsonl line: this step's loads (routed copies before drops) per layer."""
-    record = {"step": step, "tokens": [_numbers(row) for row in stats.tokens_LE.tolist()],
-              "dropped": _numbers(stats.dropped_L.tolist()),
-              "assigned": _numbers(stats.assignments_L.tolist())}
+def _pack(stats: StepStats, expert_bias_LE=None) -> torch.Tensor:
+    """Everything a step's lines need, as one float64 device vector (no sync): summary_6, then
+    tokens [L*E], dropped [L], assigned [L], max/mean [L], cv [L], bias [L*E] if any."""
+    max_ratio_L, cv_L = (imbalance_L(stats.tokens_LE) if stats.tokens_LE.numel() else
+                         (stats.dropped_L, stats.dropped_L))     # no MoE layers: all empty
+    parts = [stats.summary_6(), stats.tokens_LE.reshape(-1), stats.dropped_L, stats.assignments_L,
+             max_ratio_L, cv_L]
     if expert_bias_LE is not None:
+        parts.append(expert_bias_LE.reshape(-1))
+    return torch.cat([p.to(torch.float64) for p in parts])
+
+
+def _unpack(values: list[float], num_layers: int, num_experts: int, has_bias: bool):
+    """(summary dict, host loads) from a `_pack` vector read on the host."""
+    L, E = num_layers, num_experts
+    summary = dict(zip(SUMMARY_KEYS, values[:6])) if L else {}
+    at = 6 if L else 0
+
+    def take(n):
+        nonlocal at
+        at += n
+        return values[at - n:at]
+    tokens = take(L * E)
+    load = {"tokens_LE": [tokens[i * E:(i + 1) * E] for i in range(L)], "dropped_L": take(L),
+            "assigned_L": take(L), "max_ratio_L": take(L), "cv_L": take(L), "bias_LE": None}
+    if has_bias:
+        bias = take(L * E)
+        load["bias_LE"] = [bias[i * E:(i + 1) * E] for i in range(L)]
+    return summary, load
+
+
+class PendingMetrics:
+    """Steps whose device numbers (StepStats, expert bias) wait to be read: `add` packs them on
+    the device, `flush` reads every pending step in one device-to-host copy, completes each
+    step's record with its summary (the keys in their usual order) and returns
+    [(record, loads)] for MetricsWriter.write_many. The trainer flushes every run.log_every
+    steps, before saves and at the end: one host sync per flush instead of several per step."""
+
+    def __init__(self):
+        self.items = []
+
+    def add(self, record: dict, stats: StepStats, expert_bias_LE=None):
+        shape = tuple(stats.tokens_LE.shape)
+        self.items.append((record, _pack(stats, expert_bias_LE), shape,
+                           expert_bias_LE is not None))
+
+    def flush(self) -> list[tuple[dict, dict]]:
+        if not self.items:
+            return []
+        items, self.items = self.items, []
+        values = torch.cat([packed for _, packed, _, _ in items]).tolist()   # the one sync
+        out, at = [], 0
+        for record, packed, (L, E), has_bias in items:
+            summary, load = _unpack(values[at:at + packed.numel()], L, E, has_bias)
+            at += packed.numel()
+            head = {"step": record["step"], "loss": record["loss"]}
+            rest = {k: v for k, v in record.items() if k not in head}
+            record.clear()
+            record.update({**head, **summary, **rest})
+            out.append((record, load))
+        return out
+
+
+def load_record(step: int, load: dict) -> dict:
+    """One expert_load.jsonl line: this step's loads (routed copies before drops) per layer."""
+    record = {"step": step, "tokens": [_numbers(row) for row in load["tokens_LE"]],
+              "dropped": _numbers(load["dropped_L"]), "assigned": _numbers(load["assigned_L"])}
+    if load["bias_LE"] is not None:
         # 5 significant digits: a bias moves by router.bias_update_rate a step (1e-3 typical),
         # so this tells every step's value apart up to 100; float32's 9 digits double the line.
-        record["bias"] = [[float(f"{v:.5g}") for v in row] for row in expert_bias_LE.tolist()]
+        record["bias"] = [[float(f"{v:.5g}") for v in row] for row in load["bias_LE"]]
     return record
 
 
@@ -193,60 +263,78 @@ class MetricsWriter:
             self.tb = SummaryWriter(os.path.join(run_dir, "tb"), purge_step=resume_step + 1 if resume_step else None)
 
     def write(self, record: dict, stats: StepStats | None = None, expert_bias_LE=None):
-        with open(self.path, "a") as f:
-            f.write(json.dumps(record) + "\n")
-        if stats is not None and self.layers:
-            line = json.dumps(load_record(record["step"], stats, expert_bias_LE),
-                              separators=(",", ":"))
-            with open(self.load_path, "a") as f:
-                f.write(line + "\n")
-        if self.tb is None:
+        """One step's lines, its device numbers read now (a host sync); training batches its
+        steps through PendingMetrics and `write_many` instead."""
+        load = None
+        if stats is not None:
+            L, E = stats.tokens_LE.shape
+            _, load = _unpack(_pack(stats, expert_bias_LE).tolist(), L, E,
+                              expert_bias_LE is not None)
+        self.write_many([(record, load)])
+
+    def write_many(self, steps: list[tuple[dict, dict | None]]):
+        """[(record, host loads or None)] in step order: the lines of each, the files opened
+        once."""
+        if not steps:
             return
+        with open(self.path, "a") as f:
+            f.writelines(json.dumps(record) + "\n" for record, _ in steps)
+        if self.layers:
+            lines = [json.dumps(load_record(record["step"], load), separators=(",", ":")) + "\n"
+                     for record, load in steps if load is not None]
+            if lines:
+                with open(self.load_path, "a") as f:
+                    f.writelines(lines)
+        if self.tb is not None:
+            for record, load in steps:
+                self._write_tb(record, load)
+
+    def _write_tb(self, record: dict, load: dict | None):
         step = record["step"]
         for key, value in record.items():
             if key != "step" and isinstance(value, (int, float)) and math.isfinite(value):
                 tag = f"val/{key[4:]}" if key.startswith("val_") else f"train/{key}"
                 self.tb.add_scalar(tag, value, step)
-        if stats is not None and stats.tokens_LE.numel():
-            self._write_load(stats, step)
-        if expert_bias_LE is not None:
-            for layer, bias_E in zip(self.layers, expert_bias_LE, strict=True):
-                self.tb.add_histogram(f"expert_bias/layer_{layer}", bias_E.float(), step)
+        if load is not None and self.layers:
+            self._write_load(load, step)
+            if load["bias_LE"] is not None:
+                for layer, bias_E in zip(self.layers, load["bias_LE"], strict=True):
+                    self.tb.add_histogram(f"expert_bias/layer_{layer}", np.array(bias_E), step)
 
-    def _write_load(self, stats: StepStats, step: int):
-        tokens_LE = stats.tokens_LE.cpu()
+    def _write_load(self, load: dict, step: int):
+        tokens_LE = np.array(load["tokens_LE"], dtype=np.float64)
         num_experts = tokens_LE.shape[1]
-        max_ratio_L, cv_L = imbalance_L(tokens_LE)
+        experts = np.arange(num_experts)
         for row, layer in enumerate(self.layers):
             load_E = tokens_LE[row]
             # Expert index on the x axis, tokens routed to it as the bar height.
             self.tb.add_histogram_raw(
                 f"tokens_per_expert/layer_{layer}", min=0, max=num_experts,
-                num=float(load_E.sum()), sum=float((load_E * torch.arange(num_experts)).sum()),
-                sum_squares=float((load_E * torch.arange(num_experts) ** 2).sum()),
+                num=float(load_E.sum()), sum=float((load_E * experts).sum()),
+                sum_squares=float((load_E * experts ** 2).sum()),
                 bucket_limits=[float(e + 1) for e in range(num_experts)],
                 bucket_counts=load_E.tolist(), global_step=step)
-            self.tb.add_scalar(f"imbalance/max_over_mean/layer_{layer}", float(max_ratio_L[row]),
+            self.tb.add_scalar(f"imbalance/max_over_mean/layer_{layer}", load["max_ratio_L"][row],
                                step)
-            self.tb.add_scalar(f"imbalance/cv/layer_{layer}", float(cv_L[row]), step)
-            drop = stats.dropped_L[row] / stats.assignments_L[row].clamp_min(1)
-            self.tb.add_scalar(f"dropped_fraction/layer_{layer}", float(drop), step)
+            self.tb.add_scalar(f"imbalance/cv/layer_{layer}", load["cv_L"][row], step)
+            drop = load["dropped_L"][row] / max(load["assigned_L"][row], 1.0)
+            self.tb.add_scalar(f"dropped_fraction/layer_{layer}", drop, step)
         draw = self.image_every and (step == 1 or step % self.image_every == 0)
         if draw:
             from moepar.inspect.plots import heatmap_rgb, ratio_to_mean
             self.tb.add_image("load/layer_x_expert", heatmap_rgb(
-                ratio_to_mean(tokens_LE.numpy()), self.layers,
+                ratio_to_mean(tokens_LE), self.layers,
                 f"step {step}: tokens per expert / layer mean"), step, dataformats="HWC")
         if self.ep > 1:
             # Which EP rank is hot: the experts of EP rank r are the r-th block of E/ep.
-            rank_load_LP = tokens_LE.view(tokens_LE.shape[0], self.ep, -1).sum(-1)
+            rank_load_LP = tokens_LE.reshape(tokens_LE.shape[0], self.ep, -1).sum(-1)
             for layer, load_P in zip(self.layers, rank_load_LP, strict=True):
-                share = load_P / load_P.sum().clamp_min(1)
+                share = load_P / max(load_P.sum(), 1.0)
                 for r, value in enumerate(share.tolist()):
                     self.tb.add_scalar(f"ep_rank_load/layer_{layer}/rank_{r}", value, step)
             if draw:
                 self.tb.add_image("load/layer_x_ep_rank", heatmap_rgb(
-                    ratio_to_mean(rank_load_LP.numpy()), self.layers,
+                    ratio_to_mean(rank_load_LP), self.layers,
                     f"step {step}: tokens per EP rank / layer mean", xlabel="EP rank"),
                     step, dataformats="HWC")
 

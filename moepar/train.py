@@ -13,7 +13,8 @@ then gives the mean over all micro-batches, as on one process.
 
 When a run must stop, every rank stops at the same step, because each decision rests on numbers
 all ranks share: the global loss and grad norm, and one small all-reduce per step (MAX) of two
-flags, "parameters went non-finite in the last update" and "SIGTERM arrived". Those ride the one
+flags, "parameters went non-finite in the last updates" (checked at step 1 and every
+run.log_every steps, see `_check_params_due`) and "SIGTERM arrived". Those ride the one
 host sync a step already makes (loss and grad norm), so the checks cost no extra sync:
 - more than train.max_skipped_steps skipped steps in a row, or non-finite parameters after an
   update: NonFiniteError (exit 3), nothing saved after the damage;
@@ -37,7 +38,7 @@ from moepar.data import build_sampler
 from moepar.infer.evaluate import Validation
 from moepar.launch import init_process_group, select_device
 from moepar.loss_scale import LossScaler
-from moepar.metrics import MetricsWriter, StepStats
+from moepar.metrics import MetricsWriter, PendingMetrics, StepStats
 from moepar.plan.memory import param_count
 from moepar.progress import Progress, params_text
 from moepar.rundir import (DivergenceReplay, RunDirError, RunLock, launcher_holds_lock,
@@ -116,7 +117,8 @@ class Trainer:
         self.step = 0
         self.skipped_in_row = 0           # consecutive skipped steps (train.max_skipped_steps)
         self.stop_requested = False       # set by SIGTERM; acted on at a step end, by all ranks
-        self._params_check = None         # device flag: parameters non-finite after the last update
+        self._params_check = None         # device norm of the parameters after the last update
+        self._params_unchecked_from = None   # the first update since the parameters were checked
         self.saved_step = None
         if resume_path:
             state = load_checkpoint(resume_path, self.engine, optimizer=True, log=self.log)
@@ -231,16 +233,21 @@ class Trainer:
             engine.set_loss_scale(self.scaler.scale)
         loss_sum = self.forward_backward(stats)
         engine.finish_step(stats, loss_sum)
-        max_norm = tcfg.grad_clip if tcfg.grad_clip > 0 else float("inf")
-        grad_norm_t = engine.clip_grad_norm(max_norm)
+        grad_norm_t = engine.grad_norm()
         flags = self._step_flags()
-        # The step's one host sync: loss, grad norm and the two agreed flags together.
+        # The step's one host sync: loss, grad norm and the two agreed flags together; clipping
+        # follows it, so a step within the limit multiplies no gradient.
         loss_sum_v, grad_norm, params_bad, stop = torch.cat(
             [loss_sum.reshape(1).double(), grad_norm_t.reshape(1).double(), flags]).tolist()
+        first = self._params_unchecked_from
+        if self._params_check is not None:       # the updates so far were checked just now
+            self._params_check = self._params_unchecked_from = None
         if params_bad:
             engine.zero_grad()
-            raise NonFiniteError(self._diverged(f"the update of step {self.step} made parameters "
-                                                "non-finite (NaN or Inf)"))
+            what = (f"the update of step {self.step}" if first == self.step else
+                    f"an update of steps {first}-{self.step} (parameters are checked every "
+                    f"run.log_every={self.cfg.run.log_every} steps)")
+            raise NonFiniteError(self._diverged(f"{what} made parameters non-finite (NaN or Inf)"))
         self.stop_agreed = bool(stop)
         loss = loss_sum_v / self.num_micro
         self.step += 1
@@ -270,15 +277,31 @@ class Trainer:
                      f"row; the run stops after {tcfg.max_skipped_steps})")
         else:
             self.skipped_in_row = 0
+            engine.clip_gradients(grad_norm, tcfg.grad_clip if tcfg.grad_clip > 0 else math.inf)
             engine.optimizer_step(lr, stats)
             engine.zero_grad()
-            self._params_check = engine.parameters_norm()
+            if self._params_unchecked_from is None:
+                self._params_unchecked_from = self.step
+        if self._params_unchecked_from is not None and self._check_params_due():
+            self._params_check = engine.parameters_norm()     # read at the next step's sync
         elapsed = time.perf_counter() - start
         tokens = tcfg.global_batch_size * tcfg.seq_len
-        record = {"step": self.step, "loss": loss, **stats.summary(), "grad_norm": grad_norm,
-                  "lr": lr, "tokens_per_s": tokens / elapsed, "skipped": skipped}
+        # The router statistics join the record when the run loop reads them, in a batch
+        # (metrics.PendingMetrics); `stats.summary()` reads them now.
+        record = {"step": self.step, "loss": loss, "grad_norm": grad_norm, "lr": lr,
+                  "tokens_per_s": tokens / elapsed, "skipped": skipped}
         self.last_stats = stats
         return record
+
+    def _check_params_due(self) -> bool:
+        """Whether this update's parameters are checked for NaN/Inf (a full read of them) at the
+        next step's sync: at step 1, every run.log_every steps (every step when 0), and every
+        step with train.eps = 0 (where 0/0 makes NaN out of finite numbers). Between checks a
+        finite update of finite parameters by finite gradients, lr and moments stays finite
+        but for overflow (|update| <= lr/eps per element); what slips through is caught at the
+        next check, and before every save (check_parameters), so it is never saved."""
+        every = self.cfg.run.log_every or 1
+        return self.cfg.train.eps == 0 or self.step == 1 or self.step % every == 0
 
     stop_agreed = False
 
@@ -310,6 +333,7 @@ class Trainer:
         bad, _ = self._step_flags(self.engine.parameters_norm()).tolist()
         if bad:
             raise NonFiniteError(self._diverged(f"parameters are non-finite at step {self.step}"))
+        self._params_unchecked_from = None
 
     def expert_bias_LE(self):
         """Every MoE layer's selection bias [L, E], or None; a collective over pp under pp > 1."""
@@ -373,6 +397,7 @@ class Trainer:
         cfg = self.cfg
         writer = None
         records = []
+        pending = PendingMetrics()     # steps whose router statistics are not yet read
         try:
             with _StopOnSignal(self):
                 if self.rank == 0:
@@ -393,13 +418,15 @@ class Trainer:
                                  f"val_ppl {record['val_ppl']:.2f}")
                     records.append(record)
                     bias_LE = self.expert_bias_LE()   # every rank; expert_load.jsonl keeps it
-                    if writer is not None:
-                        writer.write(record, self.last_stats, bias_LE)
-                    if cfg.run.log_every and (self.step % cfg.run.log_every == 0 or self.step == 1
-                                              or self.step == cfg.train.steps):
+                    pending.add(record, self.last_stats, bias_LE)
+                    every = cfg.run.checkpoint_every
+                    log_due = self.step % (cfg.run.log_every or 1) == 0 or self.step == 1 or \
+                        self.step == cfg.train.steps
+                    if log_due or (every and self.step % every == 0) or self.stop_agreed:
+                        self._write_metrics(pending, writer)   # before any save: on disk too
+                    if cfg.run.log_every and log_due:
                         self.log(progress.line(record, time.perf_counter()))
                     self.poll_save()
-                    every = cfg.run.checkpoint_every
                     if self.step == cfg.train.steps or (every and self.step % every == 0):
                         self.save(background=cfg.run.async_checkpoint and not self.stop_agreed,
                                   reason="preempted" if self.stop_agreed else "")
@@ -423,12 +450,24 @@ class Trainer:
                                  f"{err}")
             raise
         finally:
-            if writer is not None:
-                writer.close()
+            try:
+                self._write_metrics(pending, writer)    # what a stop or an error left pending
+            finally:
+                if writer is not None:
+                    writer.close()
             for thread in self.discarding:    # a finished run leaves no half-deleted folder
                 thread.join()
             self.release()
         return records
+
+
+    @staticmethod
+    def _write_metrics(pending: PendingMetrics, writer: MetricsWriter | None):
+        """The pending steps' statistics read (one host sync, every rank: the records returned
+        are complete everywhere) and written (rank 0)."""
+        steps = pending.flush()
+        if writer is not None:
+            writer.write_many(steps)
 
 
 class _StopOnSignal:

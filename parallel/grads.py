@@ -15,6 +15,7 @@ plain step-end form, kept as the reference the overlapped one is tested against.
 """
 
 import math
+import struct
 from typing import NamedTuple
 
 import torch
@@ -22,8 +23,8 @@ import torch.distributed as dist
 
 from moepar.layers.experts import GroupedExperts
 
-__all__ = ["split_parameters", "reduce_gradients", "clip_grad_norm", "all_reduce_sum",
-           "grad_norm_groups", "Rows", "rows_of"]
+__all__ = ["split_parameters", "reduce_gradients", "grad_norm", "clip_coefficient",
+           "clip_gradients", "all_reduce_sum", "grad_norm_groups", "Rows", "rows_of"]
 
 
 class Rows(NamedTuple):
@@ -96,7 +97,7 @@ def reduce_gradients(model, meshes, dims):
 
 
 def grad_norm_groups(model, sync, dims, tp_split=None):
-    """The [(gradients, axes)] groups for `clip_grad_norm` in any layout.
+    """The [(gradients, axes)] groups for `grad_norm` and `clip_gradients` in any layout.
 
     `sync` tells where each gradient lives (`grad_view`) and over which axes that storage is
     sharded (ZeRO: dense over dp, experts over edp). On top: experts differ over ep; tensor-
@@ -119,8 +120,8 @@ def grad_norm_groups(model, sync, dims, tp_split=None):
 _AXIS_ORDER = ("dp", "edp", "ep", "tp", "pp")
 
 
-def clip_grad_norm(groups, max_norm: float, meshes, device=None) -> torch.Tensor:
-    """Global L2 norm of all gradients, clipped to max_norm in place; returns the norm (float64).
+def grad_norm(groups, meshes, device=None) -> torch.Tensor:
+    """Global L2 norm (float64, left on the device: no sync) of all gradients.
 
     `groups` is [(this rank's gradient tensors, axes)]: the squares of a group are summed over
     its axes. Replicated gradients name no axis for their replicas (counted once); sharded ones
@@ -143,8 +144,41 @@ def clip_grad_norm(groups, max_norm: float, meshes, device=None) -> torch.Tensor
                 all_reduce_sum([part], meshes.group(axis))
                 for j, i in enumerate(rows):
                     squares[i] = part[j]
-    total = torch.stack(squares).sum().sqrt()
-    if math.isfinite(max_norm) and grads:
-        coef = (max_norm / (total.to(grads[0].dtype) + 1e-6)).clamp(max=1.0)
-        torch._foreach_mul_(grads, coef)
-    return total
+    return torch.stack(squares).sum().sqrt()
+
+
+def _float32(x: float) -> float:
+    """x rounded to float32 (round to nearest even), as a Python float."""
+    return struct.unpack("f", struct.pack("f", x))[0]
+
+
+def clip_coefficient(norm: float, max_norm: float, dtype: torch.dtype) -> float | None:
+    """The factor that brings gradients of global norm `norm` (read on the host) down to
+    max_norm, or None when they are within it (or the norm is not finite: the step is skipped).
+
+    The value torch's clipping computes on the device, max_norm / (norm + 1e-6) in the
+    gradients' dtype, reproduced exactly on the host: float32 operations done in double and
+    rounded once are correctly rounded (53 >= 2 * 24 + 2 bits), so the gradients come out
+    bit-identical to multiplying by the device coefficient."""
+    if not (math.isfinite(max_norm) and math.isfinite(norm)):
+        return None
+    if dtype == torch.float64:
+        coef = (1.0 / (norm + 1e-6)) * max_norm
+    elif dtype == torch.float32:
+        coef = _float32(_float32(1.0 / _float32(_float32(norm) + _float32(1e-6)))
+                        * _float32(max_norm))
+    else:
+        raise ValueError(f"gradients are clipped in float32 or float64, not {dtype}")
+    return coef if coef < 1.0 else None
+
+
+def clip_gradients(groups, norm: float, max_norm: float) -> bool:
+    """Multiplies every gradient of `groups` by the clip coefficient when `norm` (the global
+    norm, from the step's host sync) is over max_norm; True if it did. A step within the limit
+    touches no gradient (the old clamped multiply by 1 read and wrote them all)."""
+    grads = [g for group, _ in groups for g in group]
+    coef = clip_coefficient(norm, max_norm, grads[0].dtype) if grads else None
+    if coef is None:
+        return False
+    torch._foreach_mul_(grads, coef)
+    return True

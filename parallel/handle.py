@@ -11,7 +11,8 @@ the expert bias for logging), ep (the gradient norm).
 |                          | schedule, gradient sync armed on each rank's last backward          |
 | finish_step              | tp partial gradients summed; statistics and loss reduced over       |
 |                          | dp (and tp, pp): every rank ends with the same global numbers       |
-| clip_grad_norm           | the exact global norm over every gradient group, then clipping      |
+| grad_norm                | the exact global norm over every gradient group (left on the device)|
+| clip_gradients           | given the norm read on the host: multiplies only when over the limit|
 | optimizer_step           | AdamW (sharded under ZeRO) on the masters, the compute weights      |
 |                          | written from them, expert bias update                               |
 | model_shards /           | each local tensor with its `shards.Segment`s (checkpoints, init)    |
@@ -26,7 +27,7 @@ from torch.nn.utils import get_total_norm
 from moepar.layers.router import TopKRouter
 
 from .dims import Layout
-from .grads import all_reduce_sum, clip_grad_norm, grad_norm_groups
+from .grads import all_reduce_sum, clip_gradients, grad_norm, grad_norm_groups
 from .placement import LocalTensor, Placement, local_tensor
 from .precision import Masters, Precision
 from .schedules import Action
@@ -82,7 +83,7 @@ class ParallelModel:
 
     def set_loss_scale(self, scale: float):
         """Multiplies the loss (and the injected MoE aux losses) by `scale` before backward;
-        `clip_grad_norm` divides the gradients by it again (float16 loss scaling)."""
+        `grad_norm` divides the gradients by it again (float16 loss scaling)."""
         self.runner.loss_scale = scale
         self.model.set_aux_loss_scale(scale / self.num_micro)
 
@@ -122,15 +123,23 @@ class ParallelModel:
                      stage_group=layout.group("pp") if layout.dims.pp > 1 else None,
                      slice_group=self.tp_group)
 
-    def clip_grad_norm(self, max_norm: float) -> torch.Tensor:
-        """The global gradient norm (float64, before clipping); clips in place to max_norm."""
+    def grad_norm(self) -> torch.Tensor:
+        """The global gradient norm (float64, on the device: the trainer reads it in the step's
+        one host sync); under loss scaling the gradients are first brought back to the loss's
+        own scale."""
         groups = grad_norm_groups(self.model, self.sync, self.layout.dims, self._tp_split)
         scale = self.runner.loss_scale
-        if scale != 1.0:    # loss scaling: gradients back to the loss's own scale first
+        if scale != 1.0:
             grads = [g for group, _ in groups for g in group]
             if grads:
                 torch._foreach_mul_(grads, 1.0 / scale)
-        return clip_grad_norm(groups, max_norm, self.layout.meshes, self.layout.device)
+        return grad_norm(groups, self.layout.meshes, self.layout.device)
+
+    def clip_gradients(self, norm: float, max_norm: float) -> bool:
+        """Clips to max_norm given the norm `grad_norm` returned (read on the host): gradients
+        are multiplied only when it is over the limit; True if they were."""
+        groups = grad_norm_groups(self.model, self.sync, self.layout.dims, self._tp_split)
+        return clip_gradients(groups, norm, max_norm)
 
     def optimizer_step(self, lr: float, stats):
         """The optimizer on the masters, then the compute weights from them (one cast per

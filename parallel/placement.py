@@ -43,12 +43,15 @@ def persistent_buffers(model):
 
 def new_adamw_state(param, optimizer) -> dict:
     """Zero AdamW state for `param`, laid out as torch.optim.AdamW creates it (step on the
-    parameter's device for fused/capturable optimizers, else a host scalar)."""
+    parameter's device for fused/capturable optimizers, else a host scalar), with the moments in
+    the optimizer's `moment_dtype(param)` where it has one (moepar's AdamW, adamw.py)."""
     group = next(g for g in optimizer.param_groups if any(q is param for q in g["params"]))
     on_device = group.get("fused") or group.get("capturable")
     step = torch.zeros((), dtype=torch.float32, device=param.device if on_device else "cpu")
-    return {"step": step, "exp_avg": torch.zeros_like(param, memory_format=torch.preserve_format),
-            "exp_avg_sq": torch.zeros_like(param, memory_format=torch.preserve_format)}
+    dtype = optimizer.moment_dtype(param) if hasattr(optimizer, "moment_dtype") else param.dtype
+    return {"step": step, **{kind: torch.zeros_like(param, dtype=dtype,
+                                                    memory_format=torch.preserve_format)
+                             for kind in ("exp_avg", "exp_avg_sq")}}
 
 
 class Placement:

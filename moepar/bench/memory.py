@@ -19,7 +19,8 @@ dense (dp) and expert (edp) group sizes Nd and Ne:
 moepar keeps fp32 parameters (bf16 comes from autocast), so P=4, G=4, O=8 (AdamW m and v): DDP
 16 bytes/param, ZeRO-1 8+8/N, ZeRO-2 4+12/N, ZeRO-3 16/N. The ZeRO paper's mixed precision (bf16
 parameters and gradients, fp32 master copy + m + v: P=2, G=2, O=12) gives 16, 4+12/N, 2+14/N,
-16/N; the totals match at stage 0 and 3.
+16/N; the totals match at stage 0 and 3. train.optim_state_dtype = "bfloat16" stores m and v in
+bf16: O=4.
 """
 
 import os
@@ -86,7 +87,8 @@ def formula(trainer) -> dict:
     phi_d, phi_e = numel(dense), numel(experts)
     nd, ne = (dims.dp, dims.edp) if dims.world_size > 1 else (1, 1)
     elem = next(trainer.model.parameters()).element_size()
-    p_bytes, g_bytes, o_bytes = elem, elem, 2 * elem
+    moment = 2 if trainer.cfg.train.optim_state_dtype == "bfloat16" else elem
+    p_bytes, g_bytes, o_bytes = elem, elem, 2 * moment
     full, shard = phi_d + phi_e, phi_d / nd + phi_e / ne
     return {"params": p_bytes * (shard if zero == 3 else full),
             "grads": g_bytes * (shard if zero >= 2 else full),

@@ -115,6 +115,8 @@ class PendingSave:
         files[model_file], written["model"] = _plan_writes(engine.model_shards(), canonical,
                                                            model_file, stage)
         moments, steps = engine.optimizer_shards()
+        # train.optim_state_dtype: the index names the dtype the moments are stored in
+        self.moment_dtype = moments[0].tensor.dtype if moments else None
         entries, written["optimizer"] = _plan_writes(
             moments, canonical, optim_file, stage, prefix=lambda lt: lt.name.split("/", 1)[0] + "/")
         for lt in moments:       # one step count per canonical tensor, with the box at its origin
@@ -172,7 +174,7 @@ class PendingSave:
                         index[section].setdefault(name, []).extend(pieces)
             error = error or _check_coverage(index, self.engine.canonical, step)
             if error is None:
-                index = _describe(index, self.engine.canonical)
+                index = _describe(index, self.engine.canonical, self.moment_dtype)
                 for name, obj in ((INDEX, index), (STATE, self.state)):
                     with open(os.path.join(self.tmp, name), "w") as f:
                         json.dump(obj, f, indent=1, sort_keys=True)
@@ -225,14 +227,17 @@ def _check_coverage(index: dict, canonical: dict, step: int) -> str | None:
     return None
 
 
-def _describe(index: dict, canonical: dict) -> dict:
-    """The index as written: each tensor's shape and dtype beside its pieces."""
+def _describe(index: dict, canonical: dict, moment_dtype=None) -> dict:
+    """The index as written: each tensor's shape and dtype beside its pieces (AdamW's moments in
+    `moment_dtype`, default their parameter's)."""
     out = {"format": FORMAT, "model": {}, "optimizer": {}}
     for section in ("model", "optimizer"):
         for name, pieces in sorted(index[section].items()):
             base = name.split("/", 1)[1] if section == "optimizer" else name
             shape = [] if name.startswith("step/") else list(canonical[base].shape)
-            dtype = torch.float32 if name.startswith("step/") else canonical[base].dtype
+            dtype = (torch.float32 if name.startswith("step/") else
+                     moment_dtype or canonical[base].dtype if section == "optimizer" else
+                     canonical[base].dtype)
             out[section][name] = {"shape": shape, "dtype": dtype_name(dtype),
                                   "pieces": sorted(pieces, key=lambda p: p["offsets"])}
     return out

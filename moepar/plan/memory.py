@@ -23,7 +23,8 @@ edp (experts) for ZeRO.
 Per rank: the layers of its pipeline chunks (embedding with chunk 0, norm and head with the
 last). Bytes: parameters P = 4 (8 for float64; bfloat16 training keeps float32 masters, and
 beside them, under ZeRO 0-2, a bf16 copy of every weight but the routers': the compute weights,
-parallel/precision.py), gradients the same, AdamW state 2P. ZeRO shards over N ranks: 1 the optimizer state, 2 also
+parallel/precision.py), gradients the same, AdamW state 2P (4 bytes under
+train.optim_state_dtype = "bfloat16", whatever P). ZeRO shards over N ranks: 1 the optimizer state, 2 also
 gradients, 3 also parameters. Stages 1 and 2 pad each flat bucket to a multiple of N (at most
 N-1 elements per bucket, ignored here); stage 3 (FSDP2) chunks each tensor along its first
 dimension that N divides (else dim 0), in torch.chunk sizes, computed here exactly.
@@ -35,7 +36,12 @@ import math
 from moepar.parallel.pipeline import rank_chunks, split_layers
 from moepar.parallel.shards import fsdp_range
 
-__all__ = ["tensor_shapes", "rank_memory", "param_count", "bucket_sizes"]
+__all__ = ["tensor_shapes", "rank_memory", "param_count", "bucket_sizes", "moment_bytes"]
+
+
+def moment_bytes(train_cfg) -> int | None:
+    """Bytes per AdamW moment element under train.optim_state_dtype (None: the masters')."""
+    return 2 if train_cfg.optim_state_dtype == "bfloat16" else None
 
 
 def _attention(cfg, tp: int) -> list[tuple[tuple, bool]]:
@@ -145,11 +151,13 @@ def bucket_sizes(cfg, dims, rank: int, bucket_bytes: float, element_bytes: int =
 
 def rank_memory(cfg, dims, rank: int, zero: int = 0, element_bytes: int = 4,
                 pp_virtual: int = 1, pp_layers: list[int] | None = None,
-                shapes: dict | None = None, compute_bytes: int = 0) -> dict:
+                shapes: dict | None = None, compute_bytes: int = 0,
+                moment_bytes: int | None = None) -> dict:
     """Bytes of parameters (masters), gradients and AdamW state on `rank`, and its element
     counts; `compute_weights`: the bf16 copies `compute_bytes` each (ZeRO 0-2; ZeRO-3's FSDP2
-    gathers them per block instead). `shapes`: tensor_shapes(cfg, tp=dims.tp), when the caller
-    has it."""
+    gathers them per block instead); `moment_bytes` per AdamW moment element (default
+    element_bytes; 2 under train.optim_state_dtype = "bfloat16"). `shapes`:
+    tensor_shapes(cfg, tp=dims.tp), when the caller has it."""
     coords = dims.coords(rank)
     shapes = shapes or tensor_shapes(cfg, tp=dims.tp)
     groups = _rank_groups(cfg, dims, rank, pp_virtual, pp_layers, shapes)
@@ -173,4 +181,4 @@ def rank_memory(cfg, dims, rank: int, zero: int = 0, element_bytes: int = 4,
     return {"dense_params": dense, "expert_params": expert, "compute_weights": compute,
             "params": element_bytes * (shard if zero == 3 else full),
             "grads": element_bytes * (shard if zero >= 2 else full),
-            "optimizer": 2 * element_bytes * (shard if zero >= 1 else full)}
+            "optimizer": 2 * (moment_bytes or element_bytes) * (shard if zero >= 1 else full)}

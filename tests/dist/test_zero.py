@@ -213,3 +213,45 @@ def test_zero3_bfloat16_gathers_bf16_weights_but_keeps_the_router_float32(worlds
                       "embedding": embedding}
     for got, ref in zip(losses, want):
         assert math.isclose(got, ref, rel_tol=2e-3), (losses, want)
+
+
+def case_bf16_moments(run_dir: str, zero: int):
+    """Float32 and bf16 moments side by side, then the bf16 run resumed from step 2."""
+    base = ["--parallel.ep=2", f"--parallel.zero={zero}", "--parallel.bucket_mb=0.002",
+            "--train.steps=3", "--run.checkpoint_every=2", "--run.keep_checkpoints=0"]
+    out = {}
+    for dtype in ("float32", "bfloat16"):
+        trainer = Trainer(tiny_config(f"{run_dir}/{dtype}", *base,
+                                      f"--train.optim_state_dtype={dtype}"), log=quiet)
+        records = trainer.run()
+        moments, _ = trainer.engine.optimizer_shards()
+        out[dtype] = {"records": [(r["loss"], r["grad_norm"]) for r in records],
+                      "dtypes": {m.tensor.dtype for m in moments},
+                      "bytes": measure(trainer)["optimizer"],
+                      "masters": [t.tensor.clone() for t in trainer.engine.model_shards()]}
+    resumed = Trainer(tiny_config(f"{run_dir}/resumed", *base, "--train.optim_state_dtype=bfloat16",
+                                  f"--run.resume_from={run_dir}/bfloat16/checkpoints/step_2"),
+                      log=quiet)
+    record = resumed.train_step()
+    out["resumed"] = (record["loss"], record["grad_norm"])
+    out["resumed_equal"] = all(torch.equal(a, b.tensor) for a, b in zip(
+        out["bfloat16"]["masters"], resumed.engine.model_shards(), strict=True))
+    for dtype in ("float32", "bfloat16"):
+        del out[dtype]["masters"]
+    dist.barrier()
+    return out
+
+
+@pytest.mark.parametrize("zero", [1, 2, 3])
+def test_bf16_moments_halve_the_state_and_resume_bit_exactly(worlds, tmp_path, zero):
+    """train.optim_state_dtype = "bfloat16" on ZeRO's flat shards (1, 2) and FSDP2 DTensors (3):
+    the moments are bf16, the state's bytes exactly half, training follows the float32-moment
+    run closely, and a resume from step 2 repeats step 3 bit for bit."""
+    for out in worlds(2).run(case_bf16_moments, str(tmp_path), zero, timeout=180):
+        wide, narrow = out["float32"], out["bfloat16"]
+        assert wide["dtypes"] == {torch.float32} and narrow["dtypes"] == {torch.bfloat16}
+        assert narrow["bytes"] * 2 == wide["bytes"]
+        assert narrow["records"][0] == wide["records"][0]       # before any update
+        for (a, _), (b, _) in zip(narrow["records"], wide["records"], strict=True):
+            assert math.isclose(a, b, rel_tol=1e-3)
+        assert out["resumed"] == narrow["records"][2] and out["resumed_equal"]

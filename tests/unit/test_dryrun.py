@@ -138,6 +138,15 @@ def test_zero_shards_by_hand():
     assert math.isclose(m["optimizer"], 2 * n)
 
 
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16", "float64"])
+def test_bf16_moments_count_4_bytes_of_adamw_state(dtype):
+    """train.optim_state_dtype = "bfloat16": m and v take 2 bytes each, whatever the masters."""
+    cfg = load_config(str(EX / "tiny.toml"), [f"--train.dtype={dtype}",
+                                              "--train.optim_state_dtype=bfloat16"])
+    m = dry_run(cfg, 1)["kinds"][0]["memory"]
+    assert m["optimizer"] == 4 * (m["dense_params"] + m["expert_params"])
+
+
 @pytest.mark.parametrize("args, named", [
     (["--nproc", "3", "--parallel.ep=2"], "parallel.ep=2"),
     (["--model.nope=1"], "nope"),

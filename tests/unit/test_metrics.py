@@ -175,3 +175,37 @@ def test_resumed_run_rewrites_the_same_loads(tmp_path):
     header, resumed = run_loads(tmp_path / "cut")
     assert header["layers"] == [0, 1]
     assert resumed == whole
+
+
+def old_summary(stats) -> dict:
+    """The record's router keys as they were read before the batched reads, one sync each."""
+    losses = (stats.losses_3 / max(stats.num_micro_batches, 1)).tolist()
+    max_ratio_L, cv_L = imbalance_L(stats.tokens_LE)
+    return {"aux_loss": losses[0], "z_loss": losses[1],
+            "balance": losses[2] / stats.tokens_LE.shape[0],
+            "drop_fraction": float(stats.dropped_L.sum() / stats.assignments_L.sum().clamp_min(1)),
+            "max_load_ratio": float(max_ratio_L.max()), "load_cv": float(cv_L.mean())}
+
+
+def test_lines_written_in_batches_hold_the_per_step_values(tmp_path):
+    """run.log_every=4: the statistics of steps 1-6 are read at steps 1, 4 and 6, and every line
+    holds what reading each step on its own gives, keys in the usual order."""
+    cfg = tiny_config(tmp_path, "--run.log_every=4", "--router.capacity_factor=1.0",
+                      "--router.bias_update_rate=0.01", "--router.z_coeff=0.001")
+    trainer = Trainer(cfg, log=quiet)
+    want, real_step = [], trainer.train_step
+
+    def step():
+        record = real_step()
+        want.append((record["step"], old_summary(trainer.last_stats),
+                     trainer.last_stats.tokens_LE.tolist()))
+        return record
+    trainer.train_step = step
+    trainer.run()
+    metrics = read_lines(tmp_path / "metrics.jsonl")
+    _, loads = run_loads(tmp_path)
+    assert [m["step"] for m in metrics] == [r["step"] for r in loads] == [1, 2, 3, 4, 5, 6]
+    for m, load, (step, summary, tokens) in zip(metrics, loads, want, strict=True):
+        assert list(m)[:8] == ["step", "loss", *summary] and m["step"] == step
+        assert {k: m[k] for k in summary} == summary
+        assert load["tokens"] == tokens

@@ -84,3 +84,46 @@ def test_padded_gemm_reads_the_host_list_once_also_under_recompute():
     fwd, bwd = count_forward_backward(moe, x)
     assert (fwd.count, bwd.count) == (1, 0), f"{fwd.report()}\n{bwd.report()}"
     assert "dispatch.py" in fwd.report()
+
+
+# ---- the training step ------------------------------------------------------------------------
+
+def counted_run(tmp_path, *overrides):
+    """Syncs of `Trainer.run()` over 6 steps, leaving out host work that is no device sync on
+    CUDA: the sampler builds batches on the host, AdamW on CPU keeps its step counts on the host
+    (the fused CUDA kernel keeps them on the device), and the final save (its own check)."""
+    from configs import tiny_config
+    from moepar.train import Trainer
+    trainer = Trainer(tiny_config(tmp_path, "--train.steps=6", "--router.bias_update_rate=0.01",
+                                  *overrides), log=lambda _m: None)
+    batches = {i: trainer.sampler.batch(i) for i in range(6 * 2)}
+    trainer.sampler.batch = batches.__getitem__
+    counter = SyncCounter()
+    real_step = trainer.engine.optimizer_step
+
+    def step_outside(lr, stats):
+        counter.__exit__(None, None, None)
+        try:
+            real_step(lr, stats)
+        finally:
+            counter.__enter__()
+    trainer.engine.optimizer_step = step_outside
+    trainer.save = lambda **kwargs: None
+    trainer.model(batches[0][0])          # the grouped-GEMM probe's one-time cost, outside
+    with counter:
+        records = trainer.run()
+    assert len(records) == 6 and all("aux_loss" in r for r in records)
+    return counter
+
+
+@pytest.mark.parametrize("log_every, flushes", [(0, 6), (3, 3)])
+def test_a_training_step_syncs_once_plus_one_read_of_metrics_per_log_every(tmp_path, log_every,
+                                                                          flushes):
+    """Per step: the step's one sync (loss, grad norm, flags), and no split-size sync (the
+    tiny model routes dropless on one rank: layers/dispatch.py keeps the grouped GEMM's offsets
+    on the device); the router statistics are read once per flush (steps 1, 3 and 6 with
+    run.log_every=3; every step with 0). Before, the statistics cost 8 more per step (4 for the
+    record's summary, 4 for the expert-load line with a bias), and the MoE layers 2 x 2."""
+    counter = counted_run(tmp_path, f"--run.log_every={log_every}")
+    moe_splits = 0
+    assert counter.count == moe_splits + 6 + flushes, counter.report()
