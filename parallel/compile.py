@@ -45,8 +45,9 @@ maths is compiled) and activation recompute (a recomputed region is compiled wit
 checkpoint, which Dynamo traces), before the pipeline split and data parallelism (whose hooks
 run outside the compiled forwards, in the modules' eager `__call__`).
 
-Private torch API: `torch._dynamo.utils.compilation_time_metrics` (the compile time; torch has
-no public query) is read here only.
+Private torch API, here only: `torch._dynamo.utils.compilation_time_metrics` (the compile time;
+torch has no public query) and `torch._dynamo.maybe_mark_dynamic` (one dynamic dim; the public
+`dynamic=True` makes every dim a symbol).
 """
 
 import functools
@@ -110,9 +111,16 @@ def _compile_maths(module, backend: str) -> int:
 
 @functools.lru_cache(maxsize=None)
 def _compiled_activate(backend: str):
-    """One compiled activation for every experts module: R (rows) changes every step, so its
-    shapes are dynamic from the start (a row count of 0 or 1 is specialized: one more graph)."""
-    return torch.compile(activate, fullgraph=True, dynamic=True, backend=backend)
+    """One compiled activation for every experts module (static unless marked)."""
+    return torch.compile(activate, fullgraph=True, backend=backend)
+
+
+def _activate_rows(compiled, activation: str, h_RH):
+    # R (rows) changes every step: dim 0 is dynamic from the first call, the width static. Not
+    # `dynamic=True`: it would also make the width a symbol, and Dynamo's duck sizing would tie
+    # the two whenever R happens to equal it (a recompile when they part again).
+    torch._dynamo.maybe_mark_dynamic(h_RH, 0)
+    return compiled(h_RH, activation)
 
 
 def apply_compile(model, backend: str = "inductor") -> CompiledRegions:
@@ -132,8 +140,8 @@ def apply_compile(model, backend: str = "inductor") -> CompiledRegions:
                 count += _compile_maths(moe.router, backend)
             if moe.shared is not None:
                 count += _compile_maths(moe.shared, backend)
-            moe.experts.activate = functools.partial(_compiled_activate(backend),
-                                                     activation=moe.experts.activation)
+            moe.experts.activate = functools.partial(_activate_rows, _compiled_activate(backend),
+                                                     moe.experts.activation)
             count += 1
         per_layer[block.layer_id] = count
     return CompiledRegions(per_layer, backend)
