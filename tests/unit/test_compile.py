@@ -28,13 +28,14 @@ def quiet(_msg):
 
 def _run(tmp_path, name, *overrides):
     """(records, parameters after the steps, compiled graphs after step 1 and after the last)."""
-    trainer = Trainer(tiny_config(tmp_path / name, f"--train.steps={STEPS}", "--run.checkpoint_every=0",
-                                  *overrides), log=quiet)
+    trainer = Trainer(tiny_config(tmp_path / name, f"--train.steps={STEPS}",
+                                  "--run.checkpoint_every=0", *overrides), log=quiet)
     records, graphs = [], []
     for _ in range(STEPS):
         records.append(trainer.train_step())
         graphs.append(counters["stats"]["unique_graphs"])
     params = [local_tensor(p.detach()).clone() for p in trainer.model.parameters()]
+    trainer.release()
     return trainer, records, params, graphs
 
 
