@@ -27,7 +27,7 @@ def quiet(_msg):
 
 
 def _run(tmp_path, name, *overrides):
-    """(records, parameters after the steps, compiled graphs after step 1 and after the last)."""
+    """(trainer, records, parameters after the steps, compiled graphs after each step)."""
     trainer = Trainer(tiny_config(tmp_path / name, f"--train.steps={STEPS}",
                                   "--run.checkpoint_every=0", *overrides), log=quiet)
     records, graphs = [], []
