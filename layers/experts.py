@@ -17,7 +17,7 @@ from torch.autograd.graph import get_gradient_edge
 from .grouped_mm import HostRows, grouped_mm
 
 __all__ = ["ACTIVATIONS", "GroupedExperts", "FeedForward", "SharedExperts", "expert_ffn",
-           "defer_weight_grads"]
+           "activate", "defer_weight_grads"]
 
 ACTIVATIONS = ("swiglu", "gelu")
 
@@ -43,10 +43,20 @@ class _SwiGLU(torch.autograd.Function):
         return torch.cat([grad_gate, grad_out * F.silu(gate)], dim=-1)
 
 
-def _activate(h, activation: str):
-    if activation == "swiglu":
-        return _SwiGLU.apply(h)
-    return F.gelu(h)
+def activate(h, activation):
+    """The activation named `activation`, or `activation(h)` when it is a callable (the
+    compiled one parallel/compile.py gives `GroupedExperts.activate`)."""
+    if callable(activation):
+        return activation(h)
+    if activation != "swiglu":
+        return F.gelu(h)
+    if torch.compiler.is_compiling():
+        # Inside a torch.compile region (parallel/compile.py) the plain formula: Inductor fuses
+        # silu, the product and their backward (both halves of the [R, 2F] gradient written by
+        # one kernel) by itself, with no custom Function to trace.
+        gate, up = h.chunk(2, dim=-1)
+        return F.silu(gate) * up
+    return _SwiGLU.apply(h)
 
 
 def _in_features(ffn_dim: int, activation: str) -> int:
@@ -76,6 +86,8 @@ class GroupedExperts(nn.Module):
         # Set by parallel/checkpointing.py (train.recompute="experts"): recompute(fn, *args) runs
         # fn so that backward runs it again instead of keeping its activations.
         self.recompute: Callable | None = None
+        # Set by parallel/compile.py (train.compile): the activation as a compiled h -> a.
+        self.activate: Callable | None = None
 
     def forward(self, x_RD, plan):
         """y_RD: the experts on the rows of each chunk of `plan` (a dispatcher's, see
@@ -107,17 +119,18 @@ class GroupedExperts(nn.Module):
         """`expert_ffn` with this module's activation on (a block of) its weights. Under
         recompute only this is run again in backward (never a dispatcher's all-to-alls), and
         nothing is deferred (`later` is not used)."""
+        activation = self.activate or self.activation
         if self.recompute is not None:
             return self.recompute(expert_ffn, x_RD, rows_per_expert, offs_E, w_in_EDH, w_out_EFD,
-                                  self.activation)
-        return expert_ffn(x_RD, rows_per_expert, offs_E, w_in_EDH, w_out_EFD, self.activation,
-                          later)
+                                  activation)
+        return expert_ffn(x_RD, rows_per_expert, offs_E, w_in_EDH, w_out_EFD, activation, later)
 
 
-def expert_ffn(x_RD, rows_per_expert: HostRows, offs_E, w_in_EDH, w_out_EFD, activation: str,
+def expert_ffn(x_RD, rows_per_expert: HostRows, offs_E, w_in_EDH, w_out_EFD, activation,
                later: "LaterWeightGrads | None" = None):
     """The experts' maths on rows grouped by expert, for any block of experts' weights (the
-    all-to-all pipeline runs a block of local experts per chunk). With `later` (from
+    all-to-all pipeline runs a block of local experts per chunk); `activation` is a name of
+    ACTIVATIONS or a callable h -> a. With `later` (from
     `defer_weight_grads` on these weights), backward gives the input gradient first and leaves
     the weight gradients to that node."""
     if later is not None and x_RD.requires_grad and torch.is_grad_enabled():
@@ -126,10 +139,10 @@ def expert_ffn(x_RD, rows_per_expert: HostRows, offs_E, w_in_EDH, w_out_EFD, act
     return _ffn(x_RD, rows_per_expert, offs_E, w_in_EDH, w_out_EFD, activation)[-1]
 
 
-def _ffn(x_RD, rows_per_expert, offs_E, w_in_EDH, w_out_EFD, activation: str, cut=lambda t: t):
+def _ffn(x_RD, rows_per_expert, offs_E, w_in_EDH, w_out_EFD, activation, cut=lambda t: t):
     """(h, its activation, output); `cut` is applied to h and to the activation before use."""
     h_RH = grouped_mm(x_RD, w_in_EDH, rows_per_expert, offs_E)
-    a_RF = _activate(cut(h_RH), activation)
+    a_RF = activate(cut(h_RH), activation)
     return h_RH, a_RF, grouped_mm(cut(a_RF), w_out_EFD, rows_per_expert, offs_E)
 
 
@@ -265,7 +278,7 @@ class FeedForward(nn.Module):
         nn.init.normal_(self.w_out.weight, std=out_init_std or init_std)
 
     def forward(self, x):
-        return self.w_out(_activate(self.w_in(x), self.activation))
+        return self.w_out(activate(self.w_in(x), self.activation))
 
 
 class SharedExperts(nn.Module):

@@ -77,6 +77,7 @@ def build_engine(cfg: RunConfig, layout, device, num_local_micro: int, materiali
     options = Options(cfg.parallel, adamw_factory(t, fused=device.type == "cuda"),
                       num_micro=num_local_micro, vocab_size=cfg.model.vocab_size,
                       seq_len=t.seq_len, recompute=t.recompute,
+                      compile=t.compile, compile_backend=t.compile_backend,
                       compute_dtype=COMPUTE_DTYPES.get(t.dtype), fp32_residual=t.fp32_residual,
                       seed=t.seed, materialize=materialize, training=training)
     return parallelize(model, layout, options)

@@ -17,6 +17,7 @@ from moepar.jsonfile import read_toml
 from moepar.layers.model import ModelConfig
 from moepar.layers.router import RouterConfig, check_number
 from moepar.parallel.checkpointing import RECOMPUTE
+from moepar.parallel.compile import COMPILE_BACKENDS
 from moepar.parallel.expert import DISPATCHERS
 from moepar.parallel.pipeline import split_layers
 from moepar.parallel.schedules import SCHEDULES
@@ -126,6 +127,8 @@ class TrainConfig:
     loss_scale: float = 0.0        # float16: initial dynamic scale (0: 2^16); else > 0: fixed scale
     activation_checkpointing: bool = False  # the older spelling of recompute = "full"
     recompute: str = "none"        # recompute in backward: none, full (blocks), attention, experts
+    compile: bool = False          # torch.compile each block's maths, region by region (docs/gpus.md)
+    compile_backend: str = "inductor"  # inductor (fused kernels); aot_eager, eager: trace only (debug)
     device: str = "auto"           # auto (cuda:LOCAL_RANK when CUDA is available, else cpu), cpu, cuda
     seed: int = 0
     on_nonfinite: str = "skip"     # NaN/Inf loss or grad norm: "skip" the step or "stop" the run
@@ -151,6 +154,9 @@ class TrainConfig:
             raise ValueError(f"train.device={self.device!r} is not one of 'auto', 'cpu', 'cuda'")
         if self.recompute not in RECOMPUTE:
             raise ValueError(f"train.recompute={self.recompute!r} is not one of {RECOMPUTE}")
+        if self.compile_backend not in COMPILE_BACKENDS:
+            raise ValueError(f"train.compile_backend={self.compile_backend!r} is not one of "
+                             f"{COMPILE_BACKENDS}")
         if self.activation_checkpointing and self.recompute not in ("none", "full"):
             raise ValueError(f"train.activation_checkpointing=true (full recompute) contradicts "
                              f"train.recompute={self.recompute!r}; set only train.recompute")

@@ -348,6 +348,9 @@ HARMLESS_CHANGES = {
                    "length from here on",
     "train.device": "the same numbers on another device",
     "train.activation_checkpointing": "recomputes instead of storing, same numbers",
+    "train.compile": "the same maths in fused kernels (rounding may differ in the last bits)",
+    "train.compile_backend": "the same maths in fused kernels (rounding may differ in the last "
+                             "bits)",
     "train.on_nonfinite": "policy for bad steps",
     "train.max_skipped_steps": "policy for bad steps",
     "parallel.": "checkpoints reshard to any layout (same maths, see the numerics contract)",

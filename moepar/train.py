@@ -412,6 +412,8 @@ class Trainer:
                                     cfg.train.seq_len, self.step, time.perf_counter())
                 while self.step < cfg.train.steps:
                     record = self.train_step()
+                    if not records and self.engine.compiled is not None:   # compiled just now
+                        self.log(self.engine.compiled.summary())
                     if self.validation is not None and self.validation.due(self.step):
                         record.update(self.validation.run(self.engine))   # a collective
                         self.log(f"step {self.step:>5} | val_loss {record['val_loss']:.4f} | "

@@ -1,7 +1,8 @@
 """Everything that knows ranks exist; `parallelize` is the one place that fixes the order.
 
 Order (see shared DESIGN.md), applied to a model built on the meta device:
-expert and tensor parallelism (change shapes) -> activation recompute -> pipeline split ->
+expert and tensor parallelism (change shapes) -> activation recompute -> regional compile
+(compile.py, when asked) -> pipeline split ->
 ZeRO-3 / FSDP2 (shards parameters) -> materialize this rank's shards on its device and draw their
 initial values -> mixed precision (float32 masters, compute weights in bf16; precision.py) ->
 data parallel / ZeRO 0-2 (wraps the masters) -> the step runner -> the handle, built once from
@@ -17,6 +18,7 @@ import torch
 from moepar.layers.init import canonical_tensors
 
 from .checkpointing import apply_activation_checkpointing, apply_recompute
+from .compile import apply_compile
 from .ddp import OverlappedReducer
 from .dims import Layout, ParallelDims
 from .grads import rows_of
@@ -32,7 +34,8 @@ from .tensor import apply_tp
 from .zero import FullyShardedSync, ShardedAdamW, ZeroReducer
 
 __all__ = ["parallelize", "Options", "ParallelModel", "apply_activation_checkpointing",
-           "apply_recompute", "apply_ep", "ParallelDims", "Layout", "data_parallel", "LocalSync"]
+           "apply_recompute", "apply_compile", "apply_ep", "ParallelDims", "Layout",
+           "data_parallel", "LocalSync"]
 
 
 @dataclass
@@ -44,6 +47,8 @@ class Options:
     vocab_size: int = 0
     seq_len: int | None = None
     recompute: str = "none"            # none, full, attention, experts (checkpointing.py)
+    compile: bool = False              # torch.compile each block's maths (compile.py)
+    compile_backend: str = "inductor"
     compute_dtype: torch.dtype | None = None   # bfloat16/float16 training; None: the parameters'
     fp32_residual: bool = False        # keep the residual stream float32 under compute_dtype
     seed: int = 0                      # initial values (layers/init.py), the same at any layout
@@ -65,8 +70,11 @@ def parallelize(model, layout: Layout, options: Options) -> ParallelModel:
         apply_tp(model, dims, layout.meshes, options.seq_len)
     if options.recompute != "none":
         apply_recompute(model, options.recompute)
+    compiled = apply_compile(model, options.compile_backend) if options.compile else None
     if dims.pp > 1:
         model = apply_pp(model, layout.coords.pp, dims.pp, p.pp_virtual, p.pp_layers or None)
+        if compiled is not None:
+            compiled = compiled.held_by(model)
     on_meta = next(model.parameters()).device.type == "meta"
     if not on_meta:
         model.to(layout.device)
@@ -97,7 +105,7 @@ def parallelize(model, layout: Layout, options: Options) -> ParallelModel:
             runner = LocalRunner(model, options.num_micro, loss_fn, autocast=precision.autocast,
                                  balance_group=layout.group("dp"))
     return ParallelModel(model, layout, canonical, moe_layer_ids, p.zero, options.num_micro,
-                         sync, optimizer, runner, masters, precision)
+                         sync, optimizer, runner, masters, precision, compiled)
 
 
 class LocalSync:

@@ -50,6 +50,7 @@ class ParallelModel:
     runner: object                    # LocalRunner or PipelineRunner (None: a memory simulation)
     masters: Masters
     precision: Precision
+    compiled: object = None           # compile.CompiledRegions (train.compile), or None
 
     def __post_init__(self):
         self.tp_group = self.layout.group("tp") if self.layout.dims.tp > 1 else None

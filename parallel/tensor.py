@@ -270,8 +270,11 @@ class SequenceParallelAttention(Attention):
     one when G < tp): x_BsD in, x_BsD out (num_heads and num_kv_heads are the local counts)."""
 
     def forward(self, x_BsD, cos_SHd, sin_SHd):
-        y_BSD = super().forward(gather_sequence(x_BsD, self.tp_group), cos_SHd, sin_SHd)
+        y_BSD = self.local_forward(gather_sequence(x_BsD, self.tp_group), cos_SHd, sin_SHd)
         return scatter_sequence(y_BSD, self.tp_group)
+
+    # The maths between the collectives (what parallel/compile.py compiles).
+    local_forward = Attention.forward
 
 
 class SequenceParallelMLA(MLA):
@@ -279,16 +282,20 @@ class SequenceParallelMLA(MLA):
     norms are replicated and run on the gathered sequence."""
 
     def forward(self, x_BsD, cos_SR, sin_SR):
-        y_BSD = super().forward(gather_sequence(x_BsD, self.tp_group), cos_SR, sin_SR)
+        y_BSD = self.local_forward(gather_sequence(x_BsD, self.tp_group), cos_SR, sin_SR)
         return scatter_sequence(y_BSD, self.tp_group)
+
+    local_forward = MLA.forward
 
 
 class SequenceParallelFeedForward(FeedForward):
     """The dense FFN on this rank's F/tp hidden units: x_BsD in, x_BsD out."""
 
     def forward(self, x_BsD):
-        return scatter_sequence(super().forward(gather_sequence(x_BsD, self.tp_group)),
+        return scatter_sequence(self.local_forward(gather_sequence(x_BsD, self.tp_group)),
                                 self.tp_group)
+
+    local_forward = FeedForward.forward
 
 
 class TensorParallelTransformer(Transformer):
