@@ -27,7 +27,8 @@ def _steps(run_dir: str, overrides: list[str]):
     records, graphs = [], []
     for _ in range(STEPS):
         record = trainer.train_step()
-        records.append((record["loss"], record["grad_norm"], record["aux_loss"]))
+        aux = trainer.last_stats.summary()["aux_loss"]   # read once per log window in run()
+        records.append((record["loss"], record["grad_norm"], aux))
         graphs.append(counters["stats"]["unique_graphs"])
     params = [local_tensor(p.detach()).clone() for p in trainer.model.parameters()]
     trainer.release()

@@ -32,7 +32,7 @@ def _run(tmp_path, name, *overrides):
                                   "--run.checkpoint_every=0", *overrides), log=quiet)
     records, graphs = [], []
     for _ in range(STEPS):
-        records.append(trainer.train_step())
+        records.append({**trainer.train_step(), **trainer.last_stats.summary()})
         graphs.append(counters["stats"]["unique_graphs"])
     params = [local_tensor(p.detach()).clone() for p in trainer.model.parameters()]
     trainer.release()
