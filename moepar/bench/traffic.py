@@ -11,7 +11,7 @@ dispatch mode that sees every aten op below autograd, in forward and backward al
 | free (metadata)        | views by schema (view, transpose, expand, split, detach, ...), `_unsafe_view`, `empty*` | 0 bytes |
 | matmul                 | mm, addmm, bmm, baddbmm, `_grouped_mm`, ...     | apart: 2 m n k FLOPs      |
 | attention kernel       | `_scaled_dot_product_*`, flash / efficient / cudnn attention | apart: FLOPs as matmuls, no causal halving (PaLM's count, as `bench train`) |
-| traffic                | every other op                                  | reads: tensor inputs (each once, a broadcast dim once); writes: outputs and mutated inputs |
+| traffic                | every other op                                  | reads: tensor inputs (each once, a broadcast dim once; a gather's source at most its output); writes: outputs and mutated inputs |
 
 Where it runs (`Scope`): inside a block (model.layers[i], MoE or dense; in backward from the
 gradient of its output to that of its input), outside the blocks (batch, embedding, final norm,
@@ -49,6 +49,7 @@ PERMUTE = {"index_select", "gather", "scatter", "scatter_", "scatter_add", "scat
            "index", "index_copy", "index_copy_", "sort", "argsort", "searchsorted", "cat", "stack",
            "topk", "embedding", "embedding_dense_backward", "masked_select", "masked_scatter",
            "repeat_interleave", "bincount", "histc", "nonzero", "gather_backward"}
+GATHER = {"embedding", "index_select", "gather", "index"}    # read the rows they pick
 SOFTMAX_LOSS = {"_softmax", "_softmax_backward_data", "_log_softmax", "_log_softmax_backward_data",
                 "nll_loss_forward", "nll_loss_backward", "nll_loss2d_forward", "logsumexp",
                 "cross_entropy_loss"}
@@ -133,6 +134,8 @@ class Counter(TorchDispatchMode):
                     skip.update(id(t) for t in _tensors(value))
         inputs = {id(t): t for v in (*args, *kwargs.values()) for t in _tensors(v)}
         read = sum(nbytes(t) for i, t in inputs.items() if i not in skip)   # a tensor read once
+        if name in GATHER:           # of the source, only the rows picked (at most all of it)
+            read -= nbytes(args[0]) - min(nbytes(args[0]), sum(nbytes(t) for t in outs))
         wrote = sum(nbytes(t) for t in written.values())
         part = self.where()
         if name in MATMUL or name.startswith(ATTENTION):

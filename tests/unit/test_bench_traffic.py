@@ -17,16 +17,19 @@ TINY = ["--train.seq_len=32", "--train.dtype=float32", "--model.max_seq_len=32"]
 def test_counts_casts_views_copies_and_broadcasts_by_hand():
     x_84 = torch.randn(8, 4)                     # 32 float32 elements: 128 bytes
     row_4 = torch.randn(4)
+    ids_3, table_1004 = torch.tensor([1, 5, 7]), torch.randn(100, 4)
     with Counter() as c:
         x_84.to(torch.bfloat16)                  # reads 128, writes 64
         x_84.view(32), x_84.t(), x_84.expand(2, 8, 4), x_84.split(2), x_84.detach()   # free
         x_84 + row_4.expand(8, 4)                # the broadcast row is read once: 128 + 16, 128
         x_84.mul_(x_84)                          # one tensor read once, written in place
         torch.empty(8, 4).copy_(x_84)            # copy_: the destination is written, not read
+        F.embedding(ids_3, table_1004)           # 3 of the 100 rows are read
     assert c.traffic == {("outside", "_to_copy", "casts"): [1, 128, 64],
                          ("outside", "add", "elementwise"): [1, 144, 128],
                          ("outside", "mul_", "elementwise"): [1, 128, 128],
-                         ("outside", "copy_", "copies"): [1, 128, 128]}
+                         ("outside", "copy_", "copies"): [1, 128, 128],
+                         ("outside", "embedding", "permutation/gather/scatter"): [1, 48 + 24, 48]}
     assert c.matmul == {} and c.attention == {}
 
 
