@@ -238,10 +238,12 @@ def bench_traffic(cfg, gpu: str = "h200-141g", warmup: int = 1) -> dict:
     classes, ops = {}, {}
     for (part, name, cls), (calls, read, wrote) in counter.traffic.items():
         parts[part] += read + wrote
-        classes[cls] = classes.get(cls, 0) + read + wrote
+        classes.setdefault(cls, dict.fromkeys(PARTS, 0))[part] += read + wrote
         ops[f"{part} {name} ({cls})"] = {"calls": calls, "read": read, "written": wrote,
-                                         "bytes": read + wrote}
+                                         "bytes": read + wrote, "part": part}
     total = sum(parts.values())
+    top = sorted(ops.items(), key=lambda kv: -kv[1]["bytes"])
+    token_bytes = total - parts["optimizer"]
     flops = {kind: sum(r[1] for r in table.values())
              for kind, table in (("matmul", counter.matmul), ("attention", counter.attention))}
     layer_bytes = parts["moe_layers"] + parts["dense_layers"]
@@ -257,9 +259,12 @@ def bench_traffic(cfg, gpu: str = "h200-141g", warmup: int = 1) -> dict:
         "dense_layer_bytes_per_token": per(parts["dense_layers"], num_layers - num_moe),
         "outside_bytes_per_token": parts["outside"] / tokens,
         "optimizer_bytes_per_param": parts["optimizer"] / num_params,
-        "classes": {c: {"bytes": b, "share": b / total}
-                    for c, b in sorted(classes.items(), key=lambda kv: -kv[1])},
-        "top_ops": dict(sorted(ops.items(), key=lambda kv: -kv[1]["bytes"])[:15]),
+        # shares of the whole step, and of the token path (layers and outside: no optimizer)
+        "classes": {c: {"bytes": sum(b.values()), "share": sum(b.values()) / total,
+                        "token_share": (sum(b.values()) - b["optimizer"]) / token_bytes, **b}
+                    for c, b in sorted(classes.items(), key=lambda kv: -sum(kv[1].values()))},
+        "top_ops": dict(top[:15]),
+        "top_token_ops": dict([kv for kv in top if kv[1]["part"] != "optimizer"][:15]),
         "matmul": {f"{p} {n}": {"calls": c, "flops": f, "bytes": r + w}
                    for (p, n), (c, f, r, w) in sorted(counter.matmul.items())},
         "attention": {f"{p} {n}": {"calls": c, "flops": f, "bytes": r + w}
@@ -288,12 +293,18 @@ def print_result(r: dict):
     print(f"  total non-matmul: {mb(r['bytes']['total'])}; matmul FLOPs {r['matmul_flops']:.4g} "
           f"+ attention {r['attention_flops']:.4g} (formula of bench train: "
           f"{r['model_flops_formula']:.4g})")
-    print("  op class                      bytes        share")
+    tokens, layers = r["tokens"], r["num_layers"]
+    print(f"  {'op class':<27} {'step':>14} {'share':>6} {'token path':>10} {'layer/token':>11} "
+          f"{'outside/token':>13} {'optimizer':>12}")
     for cls, c in r["classes"].items():
-        print(f"    {cls:<27} {mb(c['bytes']):>14} {100 * c['share']:5.1f}%")
-    print("  top ops by bytes (part, op, class): calls, bytes")
-    for name, o in r["top_ops"].items():
-        print(f"    {name:<58} {o['calls']:>5} {mb(o['bytes']):>14}")
+        print(f"  {cls:<27} {mb(c['bytes']):>14} {100 * c['share']:5.1f}% "
+              f"{100 * c['token_share']:9.1f}% "
+              f"{mb((c['moe_layers'] + c['dense_layers']) / (tokens * layers)):>11} "
+              f"{mb(c['outside'] / tokens):>13} {mb(c['optimizer']):>12}")
+    for key, what in (("top_ops", "the step"), ("top_token_ops", "the token path")):
+        print(f"  top ops of {what} by bytes (part, op, class): calls, bytes, per token")
+        for name, o in r[key].items():
+            print(f"    {name:<58} {o['calls']:>5} {mb(o['bytes']):>14} {mb(o['bytes'] / tokens):>11}")
     f = r["roofline"]
     print(f"  roofline on {f['gpu']} ({f['peak_tflops']:.0f} TFLOP/s bf16, {f['hbm_tbps']} TB/s): "
           f"matmul {1e3 * f['compute_s']:.2f} ms + memory {1e3 * f['memory_s']:.2f} ms = "
