@@ -8,6 +8,7 @@
 | pipeline   | pipeline.py  | measured bubble and activation memory per pipeline stage             |
 | checkpoint | checkpoint.py| build, save and load seconds and peak memory per rank vs its shard   |
 | train      | train.py     | end-to-end tokens/s and MFU of a config in one process              |
+| traffic    | traffic.py   | bytes each part of one training step moves (eager), and a roofline  |
 
 Benchmarks that need several processes start them with torch's launcher and re-run the same
 command line in each worker; rank 0 prints. Progress of a long benchmark (`Ticker`) goes to
@@ -154,6 +155,17 @@ def build_parser() -> argparse.ArgumentParser:
                    help="transformers' experts_implementation for --against-hf (default: "
                         "transformers' own default)")
     p.add_argument("--json", action="store_true", help="print one JSON object")
+    p = sub.add_parser("traffic", help="memory traffic of one training step, and a roofline",
+                       description="Counts the bytes every aten op of one training step of CONFIG "
+                                   "reads and writes (eager mode, one process) by part of the "
+                                   "model and class of op; matmul FLOPs apart; a roofline step "
+                                   "time for a GPU. Config overrides as `moepar train`'s "
+                                   "(--section.key=value) follow.")
+    p.add_argument("config", help="the run config: a TOML file or a packaged example's name")
+    from moepar.plan.hardware import PRESETS
+    p.add_argument("--gpu", choices=list(PRESETS), default="h200-141g",
+                   help="the planner's GPU preset for the roofline")
+    p.add_argument("--json", metavar="PATH", default=None, help="also write the figures as JSON")
     return parser
 
 
@@ -172,8 +184,11 @@ def _relaunch(nproc: int, argv: list[str]) -> int:
 
 def main(argv: list[str]) -> int:
     parser = build_parser()
-    # `bench train` also takes the config overrides of `moepar train` (--section.key=value).
+    # `bench traffic` and `bench train` also take `moepar train`'s config overrides
+    # (--section.key=value): the arguments argparse does not know.
     args, overrides = parser.parse_known_args(argv)
+    if args.what == "traffic":
+        return _traffic(args, overrides)
     if overrides and args.what != "train":
         parser.error(f"unrecognized arguments: {' '.join(overrides)}")
     if args.what == "pipeline":
@@ -242,6 +257,22 @@ def main(argv: list[str]) -> int:
     result = bench_moe_layer(args.tokens, args.dim, args.ffn_dim, args.experts, args.top_k,
                              args.dtype, args.repeats, args.warmup, device=args.device)
     print(json.dumps(result)) if args.json else print_layer(result, args)
+    return 0
+
+
+def _traffic(args, overrides: list[str]) -> int:
+    from moepar.bench.traffic import bench_traffic, print_result
+    from moepar.config import load_config
+    try:
+        cfg = load_config(args.config, overrides)
+    except ValueError as e:
+        print(f"moepar: {e}", file=sys.stderr)
+        return 2
+    result = bench_traffic(cfg, args.gpu)
+    print_result(result)
+    if args.json:
+        with open(args.json, "w", encoding="utf-8") as f:
+            json.dump(result, f, indent=1)
     return 0
 
 

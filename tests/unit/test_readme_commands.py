@@ -254,6 +254,21 @@ def check_plain(module: str):
     return check
 
 
+def check_bench(argv: list[str]):
+    """As moepar bench's main: `traffic` takes config overrides after its options; the other
+    benchmarks refuse anything their parser does not know."""
+    from moepar.bench import build_parser
+    parser = build_parser()
+    sub = _subparser(parser, argv)
+    args, rest = _parse(parser, substitute(argv, sub or parser), known=True)
+    if args.what == "traffic":
+        _overrides(args.config, rest)
+        return
+    assert not rest, f"moepar bench: unrecognized arguments: {rest}"
+    if getattr(args, "config", None):     # moepar bench ... --config FILE
+        _overrides(args.config, [])
+
+
 def _subparser(parser, argv):
     for action in parser._actions:
         if isinstance(action, argparse._SubParsersAction) and argv and argv[0] in action.choices:
@@ -262,7 +277,7 @@ def _subparser(parser, argv):
 
 
 CHECKS = {"train": check_train, "plan": check_plan, "eval": check_eval, "convert": check_convert,
-          "bench": check_plain("moepar.bench"), "data": check_plain("moepar.data.cli"),
+          "bench": check_bench, "data": check_plain("moepar.data.cli"),
           "inspect": check_plain("moepar.inspect"),
           "generate": check_plain("moepar.infer.generate")}
 
@@ -326,6 +341,8 @@ BAD = ["moepar train examples/tiny.toml --nproc 2 --no-such-flag",
        "moepar bench pipeline --virtual-local-rank 2",
        "moepar bench moe-layer [--tokens N --no-such 3]",
        "moepar bench memory --simulate --config examples/tiny.toml --model.dim=3",
+       "moepar bench traffic tiny --model.no_such_key=3",
+       "moepar bench traffic tiny --gpu z80",
        "moepar plan examples/tiny.toml --gpus 8 --set no_such_field=1",
        "moepar plan examples/tiny.toml --gpus 8 --router.nope=1",
        "moepar convert --from hf a --to nowhere b",
