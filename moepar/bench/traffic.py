@@ -10,6 +10,7 @@ dispatch mode that sees every aten op below autograd, in forward and backward al
 |------------------------|-------------------------------------------------|---------------------------|
 | free (metadata)        | views by schema (view, transpose, expand, split, detach, ...), `_unsafe_view`, `empty*` | 0 bytes |
 | matmul                 | mm, addmm, bmm, baddbmm, `_grouped_mm`, ...     | apart: 2 m n k FLOPs      |
+| matmul, memory-bound   | a matmul below 16 FLOPs per byte it moves (the combine's batched dot over K copies, a [T,1,D] @ [T,D,1]) | traffic, class "matmul (memory-bound)" |
 | attention kernel       | `_scaled_dot_product_*`, flash / efficient / cudnn attention | apart: FLOPs as matmuls, no causal halving (PaLM's count, as `bench train`) |
 | traffic                | every other op                                  | reads: tensor inputs (each once, a broadcast dim once; a gather's source at most its output); writes: outputs and mutated inputs |
 
@@ -49,6 +50,10 @@ PERMUTE = {"index_select", "gather", "scatter", "scatter_", "scatter_add", "scat
            "index", "index_copy", "index_copy_", "sort", "argsort", "searchsorted", "cat", "stack",
            "topk", "embedding", "embedding_dense_backward", "masked_select", "masked_scatter",
            "repeat_interleave", "bincount", "histc", "nonzero", "gather_backward"}
+# A GPU's ridge point is ~200 FLOPs/byte (H200: 989 TFLOP/s over 4.8 TB/s); a product far below
+# it (a batched dot or weighted sum over a few rows) moves bytes like an elementwise op, and
+# counting it as a tensor-core matmul would hide them.
+LOW_INTENSITY = 16
 GATHER = {"embedding", "index_select", "gather", "index"}    # read the rows they pick
 SOFTMAX_LOSS = {"_softmax", "_softmax_backward_data", "_log_softmax", "_log_softmax_backward_data",
                 "nll_loss_forward", "nll_loss_backward", "nll_loss2d_forward", "logsumexp",
@@ -90,6 +95,8 @@ def attention_flops(name: str, args) -> int:
 
 
 def op_class(name: str, func, args, outs, in_norm: bool) -> str:
+    if name in MATMUL:
+        return "matmul (memory-bound)"
     if name.startswith(("_foreach_", "_fused_adam", "_fused_sgd")):
         return "optimizer"
     if in_norm or name in ("_fused_rms_norm", "_fused_rms_norm_backward", "native_layer_norm"):
@@ -138,7 +145,9 @@ class Counter(TorchDispatchMode):
             read -= nbytes(args[0]) - min(nbytes(args[0]), sum(nbytes(t) for t in outs))
         wrote = sum(nbytes(t) for t in written.values())
         part = self.where()
-        if name in MATMUL or name.startswith(ATTENTION):
+        low = (name in MATMUL and matmul_flops(name, args, outs[0])
+               < LOW_INTENSITY * (read + wrote))
+        if (name in MATMUL and not low) or name.startswith(ATTENTION):
             table = self.matmul if name in MATMUL else self.attention
             flops = (matmul_flops(name, args, outs[0]) if name in MATMUL
                      else attention_flops(name, args))

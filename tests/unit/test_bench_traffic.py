@@ -34,23 +34,38 @@ def test_counts_casts_views_copies_and_broadcasts_by_hand():
 
 
 def test_matmuls_and_attention_are_counted_apart_with_their_flops():
-    a_84, b_43 = torch.randn(8, 4), torch.randn(4, 3)
-    x_64, w_248 = torch.randn(6, 4), torch.randn(2, 4, 8)   # rows 16-byte aligned
-    offs = torch.tensor([2, 6], dtype=torch.int32)        # groups of 2 and 4 rows
+    n = 128                                    # 2 n^3 FLOPs over 3 n^2 float32: 21 FLOPs/byte
+    a_nn, b_nn = torch.randn(n, n), torch.randn(n, n)
+    x_2nn, w_2nn = torch.randn(2 * n, n), torch.randn(2, n, n)
+    offs = torch.tensor([n // 2, 2 * n], dtype=torch.int32)   # groups of n/2 and 3n/2 rows
     q_1248 = torch.randn(1, 2, 4, 8, requires_grad=True)
     with Counter(where=lambda: "here") as c:
-        a_84 @ b_43
-        torch.bmm(w_248, w_248.transpose(1, 2))            # [2,4,8] x [2,8,4]
-        torch._grouped_mm(x_64, w_248, offs)
+        a_nn @ b_nn
+        torch.bmm(w_2nn, w_2nn.transpose(1, 2))
+        torch._grouped_mm(x_2nn, w_2nn, offs)
         F.scaled_dot_product_attention(q_1248, q_1248, q_1248, is_causal=True).sum().backward()
-    assert c.matmul[("here", "mm")] == [1, 2 * 8 * 3 * 4, 4 * (32 + 12), 4 * 24]
-    assert c.matmul[("here", "bmm")][:2] == [1, 2 * 2 * 4 * 4 * 8]
-    assert c.matmul[("here", "_grouped_mm")][:2] == [1, 2 * 6 * 8 * 4]   # 2 rows n k per group
+    assert c.matmul[("here", "mm")] == [1, 2 * n * n * n, 4 * 2 * n * n, 4 * n * n]
+    assert c.matmul[("here", "bmm")][:2] == [1, 2 * 2 * n * n * n]
+    assert c.matmul[("here", "_grouped_mm")][:2] == [1, 2 * 2 * n * n * n]   # rows n k, summed
     (fwd, fwd_row), = [(n, r) for (_, n), r in c.attention.items() if not n.endswith("backward")]
     (bwd, bwd_row), = [(n, r) for (_, n), r in c.attention.items() if n.endswith("backward")]
     # q k^T and p v, causal not halved: 2 * (B H Sq Sk) * (Dqk + Dv); the backward twice that
     assert fwd_row[1] == 2 * (1 * 2 * 4 * 4) * (8 + 8) and bwd_row[1] == 2 * fwd_row[1]
     assert not any(name in ("mm", "bmm", "_grouped_mm") for _, name, _ in c.traffic)
+
+
+def test_a_memory_bound_matmul_is_traffic():
+    """The bf16 combine's weighted sum of K copies, [T,1,K] @ [T,K,D], does 2 T K D FLOPs on
+    2 (T K D + T K + T D) bytes (under 1 FLOP per byte): it moves bytes like an elementwise op,
+    and is counted with them, not as tensor-core work."""
+    t, k, d = 64, 4, 32
+    w_T1K = torch.randn(t, 1, k, dtype=torch.bfloat16)
+    y_TKD = torch.randn(t, k, d, dtype=torch.bfloat16)
+    with Counter() as c:
+        torch.bmm(w_T1K, y_TKD)
+    assert c.matmul == {}
+    assert c.traffic == {("outside", "bmm", "matmul (memory-bound)"):
+                         [1, 2 * (t * k + t * k * d), 2 * t * d]}
 
 
 @pytest.fixture(scope="module")
