@@ -26,11 +26,11 @@ from typing import NamedTuple
 import torch
 from torch import nn
 
+from .attention import Attention
 from .experts import FeedForward, GroupedExperts, SharedExperts
 from .mla import MLA
-from .model import Attention, Transformer
-from .rope import RMSNorm
-from .router import _RouterBase
+from .rope import RMSNorm, model_rotary_tables
+from .router import RouterBase
 
 __all__ = ["InitSpec", "CanonicalTensor", "canonical_tensors", "expert_split", "draw",
            "init_weights", "reset_rope_buffers"]
@@ -58,7 +58,7 @@ def expert_split(name: str, experts: dict):
     return None
 
 
-def _module_specs(model: Transformer) -> dict[str, InitSpec]:
+def _module_specs(model: nn.Module) -> dict[str, InitSpec]:
     """InitSpec per parameter / persistent buffer name of the (unsharded) model."""
     cfg = model.cfg
     std, out_std = cfg.init_std, cfg.init_std / (2 * cfg.num_layers) ** 0.5
@@ -71,7 +71,7 @@ def _module_specs(model: Transformer) -> dict[str, InitSpec]:
             specs[f"{at}weight"] = InitSpec("normal", std)
             if getattr(module, "bias", None) is not None:
                 specs[f"{at}bias"] = InitSpec("zeros")
-        elif isinstance(module, _RouterBase):
+        elif isinstance(module, RouterBase):
             specs[f"{at}weight"] = InitSpec("normal", ROUTER_STD)
             if hasattr(module, "expert_bias_E"):
                 specs[f"{at}expert_bias_E"] = InitSpec("zeros")
@@ -89,7 +89,7 @@ def _module_specs(model: Transformer) -> dict[str, InitSpec]:
     return specs
 
 
-def canonical_tensors(model: Transformer) -> dict[str, CanonicalTensor]:
+def canonical_tensors(model: nn.Module) -> dict[str, CanonicalTensor]:
     """Every canonical tensor of a whole (unsharded, possibly meta) model: name -> shape, dtype,
     initial value. Stacked experts are split into one tensor per expert."""
     specs = _module_specs(model)
@@ -132,7 +132,7 @@ def draw(name: str, tensor: CanonicalTensor, seed: int) -> torch.Tensor:
 
 def reset_rope_buffers(model: nn.Module, cfg):
     """Recomputes the rotary tables of every module that holds them (after `to_empty`)."""
-    cos, sin = Transformer.rotary_buffers(cfg)
+    cos, sin = model_rotary_tables(cfg)
     for module in model.modules():
         if "rope_cos" in module._buffers:   # keep each table's device and dtype
             old = module.rope_cos
@@ -141,7 +141,7 @@ def reset_rope_buffers(model: nn.Module, cfg):
 
 
 @torch.no_grad()
-def init_weights(model: Transformer, seed: int):
+def init_weights(model: nn.Module, seed: int):
     """Draws every tensor of a whole model in place (one process: no sharding), as every layout
     does for its shards; rotary tables recomputed."""
     tensors = canonical_tensors(model)

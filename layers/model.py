@@ -15,12 +15,14 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from .attention import Attention
 from .balance import BalanceStep, MicroBalance
-from .cache import KVCache, LayerCache, causal_attention
+from .cache import KVCache, LayerCache
 from .experts import ACTIVATIONS, FeedForward
+from .init import init_weights
 from .mla import MLA
-from .rope import RMSNorm, YaRN, apply_rotary, rotary_tables
 from .moe import MoE
+from .rope import RMSNorm, YaRN, model_rotary_tables
 from .router import RouterConfig, check_number
 
 __all__ = ["ModelConfig", "Transformer", "Attention", "RMSNorm", "Block", "QK_NORMS", "ROPE_SCALINGS"]
@@ -167,51 +169,6 @@ class ModelConfig:
                 and (i - self.first_k_dense) % self.moe_every == self.moe_offset)
 
 
-class Attention(nn.Module):
-    """Causal grouped-query attention with RoPE; optional q/k/v biases and q/k RMSNorm."""
-
-    def __init__(self, cfg: ModelConfig, out_init_std: float):
-        super().__init__()
-        hd = cfg.head_dim_resolved
-        self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_heads, cfg.num_kv_heads, hd
-        bias = cfg.attention_bias
-        self.q_proj = nn.Linear(cfg.dim, cfg.num_heads * hd, bias=bias)
-        self.k_proj = nn.Linear(cfg.dim, cfg.num_kv_heads * hd, bias=bias)
-        self.v_proj = nn.Linear(cfg.dim, cfg.num_kv_heads * hd, bias=bias)
-        self.o_proj = nn.Linear(cfg.num_heads * hd, cfg.dim, bias=False)
-        for lin in (self.q_proj, self.k_proj, self.v_proj):
-            nn.init.normal_(lin.weight, std=cfg.init_std)
-            if bias:
-                nn.init.zeros_(lin.bias)
-        nn.init.normal_(self.o_proj.weight, std=out_init_std)
-        self.qk_norm = cfg.qk_norm
-        if cfg.qk_norm != "none":
-            # "head": one weight of head_dim shared by all heads; "full": over all heads' features.
-            q_dim, k_dim = (hd, hd) if cfg.qk_norm == "head" else (cfg.num_heads * hd, cfg.num_kv_heads * hd)
-            self.q_norm, self.k_norm = RMSNorm(q_dim, cfg.norm_eps), RMSNorm(k_dim, cfg.norm_eps)
-
-    def forward(self, x_BSD, cos_SHd, sin_SHd, cache: LayerCache | None = None):
-        """`cache`: decoding; x_BSD holds the S positions after the cached ones, and cos/sin are
-        theirs."""
-        batch, seq, _ = x_BSD.shape
-        q, k, v = self.q_proj(x_BSD), self.k_proj(x_BSD), self.v_proj(x_BSD)
-        if self.qk_norm == "full":
-            q, k = self.q_norm(q), self.k_norm(k)
-        q_BSHd = q.view(batch, seq, -1, self.head_dim)
-        k_BSGd = k.view(batch, seq, -1, self.head_dim)
-        if self.qk_norm == "head":
-            q_BSHd, k_BSGd = self.q_norm(q_BSHd), self.k_norm(k_BSGd)
-        q_BHSd = apply_rotary(q_BSHd.transpose(1, 2), cos_SHd, sin_SHd)
-        k_BGSd = apply_rotary(k_BSGd.transpose(1, 2), cos_SHd, sin_SHd)
-        v_BGSd = v.view(batch, seq, -1, self.head_dim).transpose(1, 2)
-        start = 0
-        if cache is not None:   # attend over the cached positions too: k, v [B, G, L, Hd]
-            start = cache.length
-            k_BGSd, v_BGSd = cache.extend(2, k_BGSd, v_BGSd)
-        o_BHSd = causal_attention(q_BHSd, k_BGSd, v_BGSd, start)
-        return self.o_proj(o_BHSd.transpose(1, 2).reshape(batch, seq, -1))
-
-
 class Block(nn.Module):
     """One pre-norm decoder block; `ffn` is a FeedForward or a MoE (fixed at build time)."""
 
@@ -286,14 +243,9 @@ class Transformer(nn.Module):
         # Built on the meta device (a sharded run), each rank draws its own shards later;
         # otherwise draw now, with the same layout-free values (layers/init.py).
         if self.embed.weight.device.type != "meta":
-            from .init import init_weights
             init_weights(self, seed)
 
-    @staticmethod
-    def rotary_buffers(cfg: ModelConfig):
-        """(cos, sin) [max_seq_len, rope dim] in float64 on the host: exact for float64 models;
-        `.to(dtype)` rounds them once for others."""
-        return rotary_tables(cfg.max_seq_len, cfg.rope_dim, cfg.rope_theta, yarn=cfg.yarn)
+    rotary_buffers = staticmethod(model_rotary_tables)
 
     # Under sequence parallelism hidden states hold 1/seq_split of each sequence (tensor.py).
     seq_split = 1

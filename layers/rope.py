@@ -17,7 +17,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-__all__ = ["RMSNorm", "YaRN", "yarn_mscale", "rope_inv_freq", "rotary_tables", "apply_rotary"]
+__all__ = ["RMSNorm", "YaRN", "yarn_mscale", "rope_inv_freq", "rotary_tables", "model_rotary_tables",
+           "apply_rotary"]
 
 
 class RMSNorm(nn.Module):
@@ -101,6 +102,12 @@ def rotary_tables(seq_len: int, head_dim: int, theta: float, dtype=torch.float64
         angles_SHd = torch.cat([angles_SF, angles_SF], dim=-1)
         scale = yarn.cos_sin_scale if yarn is not None else 1.0
         return (angles_SHd.cos() * scale).to(dtype), (angles_SHd.sin() * scale).to(dtype)
+
+
+def model_rotary_tables(cfg):
+    """(cos, sin) [max_seq_len, rope dim] of a ModelConfig, in float64 on the host: exact for
+    float64 models; `.to(dtype)` rounds them once for others."""
+    return rotary_tables(cfg.max_seq_len, cfg.rope_dim, cfg.rope_theta, yarn=cfg.yarn)
 
 
 def apply_rotary(x_BHSd, cos_SHd, sin_SHd):

@@ -33,14 +33,14 @@ import sys
 import time
 
 from moepar.jsonfile import FileError, Int, Map, Obj, Str, open_regular, parse_json, read_json
+from moepar.process import LAUNCHER_ENV
 
-__all__ = ["RunDirError", "RunLock", "LOCK_FILE", "LAUNCHER_ENV", "previous_run_files",
+__all__ = ["RunDirError", "RunLock", "LOCK_FILE", "previous_run_files",
            "describe_checkpoints", "plan_start", "write_config", "config_changes",
            "HARMLESS_CHANGES", "DIVERGED_FILE", "record_divergence", "refuse_replay",
            "DivergenceReplay", "StartPlan", "plan_run_start", "check_history"]
 
 LOCK_FILE = "run.lock"
-LAUNCHER_ENV = "MOEPAR_RUN_LOCK_PID"     # set by `moepar train --nproc`: the launcher holds it
 DIVERGED_FILE = "diverged.json"
 RUN_FILES = ("config.toml", "metrics.jsonl", "expert_load.jsonl", "tb", "checkpoints",
              DIVERGED_FILE)

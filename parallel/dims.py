@@ -13,9 +13,15 @@ the tp group when ep == tp, and spans dp ranks when ep > tp (Megatron's parallel
 
 `ParallelDims` validates on construction, before any process group exists; `coords` is pure rank
 maths; `build_meshes` makes the two DeviceMeshes (every axis gets a real group, size 1 included).
+`Layout` (ParallelDims bound to a rank) also runs the few collectives over the whole world that the
+trainer needs (barrier, rank 0's object, MAX/MIN of flags); each is a no-op at world size 1, so
+the caller never branches on it.
 """
 
 from dataclasses import dataclass
+
+import torch.distributed as dist
+from torch.distributed.device_mesh import init_device_mesh
 
 __all__ = ["ParallelDims", "Coords", "Meshes", "Layout"]
 
@@ -103,8 +109,6 @@ class ParallelDims:
         own communicator threads (gloo: several per group), and a process that builds several
         trainers (tests, notebooks) would otherwise pile them up.
         """
-        import torch.distributed as dist
-        from torch.distributed.device_mesh import init_device_mesh
         key = (id(dist.distributed_c10d._get_default_group()), dist.get_rank(), device_type,
                self.pp, self.dp, self.tp, self.ep)
         if key not in _MESHES:
@@ -191,3 +195,25 @@ class Layout:
 
     def size(self, axis: str) -> int:
         return getattr(self.dims, axis)
+
+    # ---- the world's collectives: every rank calls them in the same order; alone, no-ops ----
+    def barrier(self):
+        """Waits for every rank (forward only; a host sync)."""
+        if self.dims.world_size > 1:
+            dist.barrier()
+
+    def from_rank0(self, obj):
+        """Rank 0's `obj` (picklable) on every rank: a broadcast of objects, a host sync."""
+        if self.dims.world_size == 1:
+            return obj
+        box = [obj]
+        dist.broadcast_object_list(box, src=0)
+        return box[0]
+
+    def all_reduce(self, tensor, op: str):
+        """`tensor` reduced in place over every rank by `op` ('max', 'min' or 'sum') and returned;
+        no host sync (the caller reads it with the step's own)."""
+        if self.dims.world_size > 1:
+            dist.all_reduce(tensor, op={"max": dist.ReduceOp.MAX, "min": dist.ReduceOp.MIN,
+                                        "sum": dist.ReduceOp.SUM}[op])
+        return tensor
