@@ -6,12 +6,14 @@ The model and router sections are the dataclasses `moepar.layers` builds from.
 """
 
 import dataclasses
+import inspect
 import json
 import os
 import re
 import types
 import typing
 from dataclasses import dataclass, field
+from importlib.resources import files
 
 from moepar.jsonfile import read_toml
 from moepar.layers.model import ModelConfig
@@ -473,7 +475,6 @@ def parse_overrides(args: list[str]) -> dict:
 
 def packaged_examples() -> dict[str, str]:
     """The example configs installed with moepar (the checkout's examples/*.toml): {name: path}."""
-    from importlib.resources import files
     return {p.name[:-len(".toml")]: str(p) for p in files("moepar.examples").iterdir()
             if p.name.endswith(".toml")}
 
@@ -548,7 +549,6 @@ def sections_toml(sections: dict) -> str:
 def _field_comments(cls) -> dict[str, str]:
     """{field: its trailing `# comment`} from the dataclass source (the one place keys are
     described), or {} when the source is not available."""
-    import inspect
     try:
         lines = inspect.getsource(cls).splitlines()
     except (OSError, TypeError):

@@ -33,15 +33,15 @@ from moepar.build import build_dims, build_engine
 from moepar.checkpoint import PendingSave, latest_checkpoint, load_checkpoint
 from moepar.cluster import check_shared_filesystem
 from moepar.config import RunConfig, to_dict
-from moepar.data import build_sampler
+from moepar.data.sources import build_sampler
+from moepar.layers.shapes import param_count
 from moepar.loss_scale import LossScaler
 from moepar.metrics import MetricsWriter, StepStats
 from moepar.process import init_process_group, select_device
-from moepar.plan.memory import param_count
 from moepar.progress import Progress, params_text
-from moepar.validation import Validation
 from moepar.rundir import (DivergenceReplay, RunDirError, RunLock, launcher_holds_lock,
                            plan_run_start, record_divergence, write_config)
+from moepar.validation import Validation
 
 __all__ = ["Trainer", "lr_at", "NonFiniteError", "ReplayRefused", "Preempted"]
 

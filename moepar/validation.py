@@ -12,7 +12,7 @@ val_ppl = exp(val_loss); the figure does not depend on the layout (tests/dist/te
 
 import math
 
-from moepar.data import validation_batches
+from moepar.data import sources
 
 __all__ = ["Validation", "perplexity"]
 
@@ -31,8 +31,9 @@ class Validation:
         num_micro = t.global_batch_size // t.micro_batch_size
         local, dp_rank = num_micro // dims.dp, dims.coords(rank).dp
         try:
-            batches = validation_batches(cfg.data, t.eval_batches * num_micro, t.micro_batch_size,
-                                         t.seq_len, cfg.model.vocab_size)
+            batches = sources.validation_batches(cfg.data, t.eval_batches * num_micro,
+                                                 t.micro_batch_size, t.seq_len,
+                                                 cfg.model.vocab_size)
         except ValueError as e:
             raise ValueError(f"validation (train.eval_batches={t.eval_batches}): {e}") from None
         self.num_micro = len(batches)

@@ -18,40 +18,13 @@ import argparse
 import json
 import os
 import sys
-import time
+
+from moepar.bench import checkpoint, ep, memory, moe_layer, pipeline, simulate, train
+from moepar.bench.ticker import Ticker
+from moepar.config import load_config
+from moepar.launch import launch
 
 __all__ = ["main", "build_parser", "Ticker"]
-
-
-class Ticker:
-    """Progress of a benchmark's repeats on stderr ('moepar bench train: repeat 3/10, 12 s'), from
-    rank 0, at most once every `every_s` seconds: a benchmark done sooner prints nothing. Call it
-    after each repeat, outside the timed region. `say` prints a phase at once."""
-
-    def __init__(self, what: str, warmup: int, repeats: int, every_s: float = 2.0,
-                 clock=time.monotonic, out=None):
-        self.what, self.warmup, self.repeats, self.every_s = what, warmup, repeats, every_s
-        self.clock, self.out = clock, out
-        self.start = self.last = clock()
-        self.quiet = int(os.environ.get("RANK", 0)) != 0
-
-    def label(self, done: int) -> str:
-        """'warm-up 1/2' or 'repeat 3/10' after `done` runs in all."""
-        if done <= self.warmup:
-            return f"warm-up {done}/{self.warmup}"
-        return f"repeat {done - self.warmup}/{self.repeats}"
-
-    def say(self, text: str):
-        if not self.quiet:
-            print(f"moepar bench {self.what}: {text}, {self.clock() - self.start:.0f} s",
-                  file=self.out or sys.stderr, flush=True)
-
-    def __call__(self, done: int):
-        now = self.clock()
-        if now - self.last >= self.every_s or (done == self.warmup + self.repeats
-                                                and self.last != self.start):
-            self.last = now
-            self.say(self.label(done))
 
 
 def _layer_options(p):
@@ -160,7 +133,6 @@ def _launched() -> bool:
 
 
 def _relaunch(nproc: int, argv: list[str]) -> int:
-    from moepar.launch import launch
     return launch(nproc, ["bench", *argv])
 
 
@@ -168,7 +140,6 @@ def main(argv: list[str]) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     if args.what == "pipeline":
-        from moepar.bench import pipeline
         if not _launched():
             return _relaunch(args.pp, argv)
         result = pipeline.worker_main(args)
@@ -176,7 +147,6 @@ def main(argv: list[str]) -> int:
             print(json.dumps(result), flush=True) if args.json else pipeline.print_result(result)
         return 0
     if args.what == "checkpoint":
-        from moepar.bench import checkpoint
         if args.nproc > 1 and not _launched():
             return _relaunch(args.nproc, argv)
         result = checkpoint.worker_main(args)
@@ -184,57 +154,51 @@ def main(argv: list[str]) -> int:
             print(json.dumps(result), flush=True) if args.json else checkpoint.print_result(result)
         return 0
     if args.what == "train":
-        from moepar.bench.train import bench_train, print_result
-        from moepar.config import load_config
         cfg = load_config(args.config, [f"--train.device={args.device}"])
-        result = bench_train(cfg, args.steps, args.warmup, args.peak_tflops)
-        print(json.dumps(result)) if args.json else print_result(result)
+        result = train.bench_train(cfg, args.steps, args.warmup, args.peak_tflops)
+        print(json.dumps(result)) if args.json else train.print_result(result)
         return 0
     if args.what == "memory" and args.simulate:
         return _simulate(parser, args)
     if args.what == "memory":
-        from moepar.bench import memory
         if args.dp * args.tp > 1 and not _launched():
             return _relaunch(args.dp * args.tp, argv)
         result = memory.worker_main(args)
         if _rank0():
             print(json.dumps(result), flush=True) if args.json else memory.print_result(result)
         return 0
-    from moepar.bench.moe_layer import DTYPES, bench_moe_layer, print_layer
     if args.what == "dispatch" and args.ep < 2:
         parser.error("dispatch needs --ep >= 2")
     if args.ep > 1 or args.what == "dispatch":
-        from moepar.bench import ep
         if args.experts % args.ep:
             parser.error(f"--experts {args.experts} must be divisible by --ep {args.ep}")
         if not _launched():
             return _relaunch(args.ep, argv)
-        result = ep.worker_main(args, DTYPES[args.dtype])
+        result = ep.worker_main(args, moe_layer.DTYPES[args.dtype])
         if _rank0():
             if args.json:
                 print(json.dumps(result), flush=True)
             elif args.what == "dispatch":
                 ep.print_dispatch(result)
             else:
-                print_layer(result, args)
+                moe_layer.print_layer(result, args)
         return 0
-    result = bench_moe_layer(args.tokens, args.dim, args.ffn_dim, args.experts, args.top_k,
-                             args.dtype, args.repeats, args.warmup, device=args.device)
-    print(json.dumps(result)) if args.json else print_layer(result, args)
+    result = moe_layer.bench_moe_layer(args.tokens, args.dim, args.ffn_dim, args.experts,
+                                       args.top_k, args.dtype, args.repeats, args.warmup,
+                                       device=args.device)
+    print(json.dumps(result)) if args.json else moe_layer.print_layer(result, args)
     return 0
 
 
 def _simulate(parser, args) -> int:
-    from moepar.bench.simulate import print_result, simulate
-    from moepar.config import load_config
     if not args.config or args.world < 1:
         parser.error("--simulate needs --config FILE and --world N")
     try:
         cfg = load_config(args.config)
         ranks = [int(r) for r in args.ranks.split(",") if r.strip()] or None
-        result = simulate(cfg, args.world, ranks)
+        result = simulate.simulate(cfg, args.world, ranks)
     except ValueError as e:
         print(f"moepar: {e}", file=sys.stderr)
         return 2
-    print(json.dumps(result)) if args.json else print_result(result)
+    print(json.dumps(result)) if args.json else simulate.print_result(result)
     return 0

@@ -22,7 +22,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from moepar.bench import Ticker
+from moepar.bench.ticker import Ticker
+from moepar.bench.train import PEAK_TFLOPS
 from moepar.layers import FeedForward, MoE
 
 __all__ = ["bench_moe_layer", "print_layer", "DTYPES", "PlainSwiGLU"]
@@ -100,7 +101,6 @@ def bench_moe_layer(tokens=4096, dim=512, ffn_dim=1024, experts=8, top_k=2, dtyp
     flops = 18.0 * tokens * top_k * dim * ffn_dim
     peak = None
     if device.type == "cuda":
-        from moepar.bench.train import PEAK_TFLOPS
         name = torch.cuda.get_device_name(device)
         peak = next((v for k, v in PEAK_TFLOPS.items() if k in name), None)
     tflops = {name: flops / (ms / 1000) / 1e12 for name, ms in med.items() if name != "naive"}

@@ -16,7 +16,9 @@ import time
 
 import torch
 
-from moepar.bench import Ticker
+from moepar.bench.ticker import Ticker
+from moepar.layers.shapes import param_count
+from moepar.train import Trainer
 
 __all__ = ["bench_train", "flops_per_token", "print_result", "PEAK_TFLOPS"]
 
@@ -26,7 +28,6 @@ PEAK_TFLOPS = {"H200": 989.0, "H100": 989.0, "A100": 312.0, "B200": 2250.0}
 
 def flops_per_token(cfg) -> float:
     """Training FLOPs per token (forward + backward) of cfg.model at cfg.train.seq_len."""
-    from moepar.plan.memory import param_count
     model = cfg.model
     matmul = param_count(model)["active"] - model.vocab_size * model.dim   # no embedding lookup
     if model.tie_embeddings:
@@ -45,7 +46,6 @@ def _sync(device):
 
 
 def bench_train(cfg, steps: int = 10, warmup: int = 2, peak_tflops: float | None = None) -> dict:
-    from moepar.train import Trainer
     with tempfile.TemporaryDirectory() as tmp:
         cfg.run.dir, cfg.run.tensorboard, cfg.run.log_every = tmp, False, 0
         cfg.train.steps = warmup + steps

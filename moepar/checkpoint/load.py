@@ -9,10 +9,12 @@ import re
 
 import torch
 
-from moepar.checkpoint.base import (INDEX, MANIFEST, STATE, CheckpointError, _everyone,
-                                    _volume_ok, _world)
-from moepar.jsonfile import (ANY, FileError, Int, List, Map, Num, Obj, OneOf, Opt, Str,
-                             read_json)
+from moepar.checkpoint.base import (CheckpointError, INDEX, MANIFEST, STATE, _everyone, _volume_ok,
+                                    _world)
+from moepar.jsonfile import ANY, FileError, Int, List, Map, Num, Obj, OneOf, Opt, Str, read_json
+from moepar.layers.init import canonical_tensors
+from moepar.parallel.dims import Layout, ParallelDims
+from moepar.parallel.placement import Placement
 from moepar.parallel.shards import local_view
 from moepar.tensorfile import (DTYPES, TensorFileError, box_bytes, check_blocks, read_box,
                                read_header)
@@ -216,9 +218,6 @@ def _apply_reads(ckpt: _Checkpoint, reads):
 
 def _local_engine(model):
     """Where a whole (unsharded) Transformer's tensors sit, for loading into it."""
-    from moepar.layers.init import canonical_tensors
-    from moepar.parallel.dims import Layout, ParallelDims
-    from moepar.parallel.placement import Placement
     device = next(model.parameters()).device
     return Placement(model, Layout(ParallelDims(1), 0, device, None), canonical_tensors(model))
 
