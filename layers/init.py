@@ -1,10 +1,10 @@
 """Layout-free initialization: every canonical tensor is drawn from its own generator.
 
-Legend: E experts of a stack, D model dim, H expert input features (2F for SwiGLU), F hidden.
+Legend: E experts of a stack, D model dim, F hidden, U the in-projection's width (2F for SwiGLU).
 
 A canonical tensor is a parameter (or persistent buffer) under its model name, except that a
-stacked expert tensor is one tensor per global expert: `layers.1.ffn.experts.w_in_EDH` [E, D, H]
-is `layers.1.ffn.experts.5.w_in` [D, H] for expert 5 (the checkpoint's names). Each canonical
+stacked expert tensor is one tensor per global expert: `layers.1.ffn.experts.w_in_EDU` [E, D, U]
+is `layers.1.ffn.experts.5.w_in` [D, U] for expert 5 (the checkpoint's names). Each canonical
 tensor is drawn on the host from a generator seeded by (seed, its name), so its values do not
 depend on which rank holds it, how it is sliced, or the device: a rank can draw just the tensors
 it holds (one at a time), and every layout starts from the same weights as one process.
@@ -76,7 +76,7 @@ def _module_specs(model: nn.Module) -> dict[str, InitSpec]:
             if hasattr(module, "expert_bias_E"):
                 specs[f"{at}expert_bias_E"] = InitSpec("zeros")
         elif isinstance(module, GroupedExperts):
-            specs[f"{at}w_in_EDH"] = InitSpec("normal", std)
+            specs[f"{at}w_in_EDU"] = InitSpec("normal", std)
             specs[f"{at}w_out_EFD"] = InitSpec("normal", out_std)
     # Output projections (named_modules visits parents first, so these override the Linear rule).
     for prefix, module in model.named_modules():

@@ -3,9 +3,10 @@
 Legend: B batch (sequences), S sequence length, D model dim, H query heads, G key/value heads,
 Hd head dim, V vocabulary.
 
-Blocks are pre-norm: h = x + attn(norm(x)); out = h + ffn(norm(h)). Attention is causal with
-rotary position embeddings (rotate-half convention, as Llama/Mixtral/Qwen) and grouped-query heads
-through SDPA. A layer is MoE when its index i >= first_k_dense and (i - first_k_dense) % moe_every == 0.
+Blocks are pre-norm: h = x + attn(norm(x)); out = h + ffn(norm(h)). Attention (attention.py) is
+causal with rotary position embeddings (rotate-half convention, as Llama/Mixtral/Qwen) and
+grouped-query heads through SDPA. A layer is MoE when its index i >= first_k_dense and
+(i - first_k_dense) % moe_every == 0.
 Decoding passes a KVCache (cache.py): each call runs the positions after the cached ones.
 """
 
@@ -25,7 +26,7 @@ from .moe import MoE
 from .rope import RMSNorm, YaRN, model_rotary_tables
 from .router import RouterConfig, check_number
 
-__all__ = ["ModelConfig", "Transformer", "Attention", "RMSNorm", "Block", "QK_NORMS", "ROPE_SCALINGS"]
+__all__ = ["ModelConfig", "Transformer", "Block", "QK_NORMS", "ROPE_SCALINGS"]
 
 QK_NORMS = ("none", "head", "full")
 ROPE_SCALINGS = ("none", "yarn")

@@ -24,7 +24,7 @@ from moepar.parallel.pipeline import split_layers
 from moepar.parallel.schedules import SCHEDULES
 from moepar.parallel.tensor import check_tp
 
-__all__ = ["RunConfig", "ParallelConfig", "TrainConfig", "DataConfig", "OutputConfig",
+__all__ = ["RunConfig", "ParallelConfig", "TrainConfig", "DataConfig", "RunDirConfig",
            "load_config", "config_path", "packaged_examples", "parse_overrides", "to_toml",
            "to_dict", "sections_toml", "config_reference", "model_sections"]
 
@@ -244,7 +244,7 @@ class DataConfig:
 
 
 @dataclass
-class OutputConfig:
+class RunDirConfig:
     """The `[run]` section: where the run lives and how often it reports and saves."""
     dir: str = "runs/tiny"
     log_every: int = 10
@@ -289,7 +289,7 @@ class RunConfig:
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
     data: DataConfig = field(default_factory=DataConfig)
-    run: OutputConfig = field(default_factory=OutputConfig)
+    run: RunDirConfig = field(default_factory=RunDirConfig)
 
     def __post_init__(self):
         self.run.allow_changes = config_keys(self.run.allow_changes, "run.allow_changes")

@@ -197,23 +197,47 @@ class Layout:
         return getattr(self.dims, axis)
 
     # ---- the world's collectives: every rank calls them in the same order; alone, no-ops ----
+    # Objects travel pickled (the default group's own object collectives): a host sync each,
+    # for start-up, checkpoint and stop decisions, never per micro-batch.
+    @property
+    def world(self) -> int:
+        """The processes in these collectives: the world size, or 1 without meshes (one process,
+        also when it stands in for a rank of a larger layout)."""
+        return self.dims.world_size if self.meshes is not None else 1
+
     def barrier(self):
-        """Waits for every rank (forward only; a host sync)."""
-        if self.dims.world_size > 1:
+        """Waits for every rank."""
+        if self.world > 1:
             dist.barrier()
 
     def from_rank0(self, obj):
-        """Rank 0's `obj` (picklable) on every rank: a broadcast of objects, a host sync."""
-        if self.dims.world_size == 1:
+        """Rank 0's `obj` on every rank (broadcast_object_list)."""
+        if self.world == 1:
             return obj
         box = [obj]
         dist.broadcast_object_list(box, src=0)
         return box[0]
 
+    def gather_to_first(self, obj) -> list | None:
+        """Every rank's `obj`, in rank order, on rank 0; None elsewhere (gather_object)."""
+        if self.world == 1:
+            return [obj]
+        out = [None] * self.world if self.rank == 0 else None
+        dist.gather_object(obj, out, dst=0)
+        return out
+
+    def everyone(self, obj) -> list:
+        """Every rank's `obj`, in rank order, on every rank (all_gather_object)."""
+        if self.world == 1:
+            return [obj]
+        out = [None] * self.world
+        dist.all_gather_object(out, obj)
+        return out
+
     def all_reduce(self, tensor, op: str):
         """`tensor` reduced in place over every rank by `op` ('max', 'min' or 'sum') and returned;
         no host sync (the caller reads it with the step's own)."""
-        if self.dims.world_size > 1:
+        if self.world > 1:
             dist.all_reduce(tensor, op={"max": dist.ReduceOp.MAX, "min": dist.ReduceOp.MIN,
                                         "sum": dist.ReduceOp.SUM}[op])
         return tensor

@@ -30,8 +30,8 @@ import torch
 import torch.distributed as dist
 
 from moepar.config import load_config
+from moepar.layers.attention import Attention
 from moepar.layers.mla import MLA
-from moepar.layers.model import Attention
 from moepar.metrics import StepStats
 from moepar.parallel.grads import split_parameters
 from moepar.process import end_process_group

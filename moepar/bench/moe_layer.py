@@ -38,7 +38,7 @@ def _naive_moe(moe: MoE, x_TD):
     experts_TK = routing.expert_N.view(-1, top_k)
     weights_TK = routing.weight_N.view(-1, top_k)
     y_TD = torch.zeros_like(x_TD)
-    w_in, w_out = moe.experts.w_in_EDH, moe.experts.w_out_EFD
+    w_in, w_out = moe.experts.w_in_EDU, moe.experts.w_out_EFD
     for e in range(num_experts):
         token_idx, slot = torch.where(experts_TK == e)
         if token_idx.numel() == 0:

@@ -9,8 +9,7 @@ import re
 
 import torch
 
-from moepar.checkpoint.base import (CheckpointError, INDEX, MANIFEST, STATE, _everyone, _volume_ok,
-                                    _world)
+from moepar.checkpoint.base import INDEX, MANIFEST, STATE, CheckpointError, volume_ok
 from moepar.jsonfile import ANY, FileError, Int, List, Map, Num, Obj, OneOf, Opt, Str, read_json
 from moepar.layers.init import canonical_tensors
 from moepar.parallel.dims import Layout, ParallelDims
@@ -131,7 +130,7 @@ class _Checkpoint:
             raise CheckpointError(f"checkpoint {self.path!r}: {INDEX} entry {name!r} is "
                                   "malformed") from None
         ranks_fit = all(len(p["offsets"]) == len(p["sizes"]) == len(shape) for p in pieces)
-        if not ranks_fit or not _volume_ok(pieces, shape, check_overlap=len(pieces) <= 256):
+        if not ranks_fit or not volume_ok(pieces, shape, check_overlap=len(pieces) <= 256):
             raise CheckpointError(f"checkpoint {self.path!r}: {INDEX} entry {name!r} has pieces "
                                   f"that do not tile its shape {shape!r} (malformed or damaged)")
         return shape, pieces
@@ -253,15 +252,15 @@ def load_checkpoint(path: str, target, optimizer: bool = False, restore_rng: boo
         # The small reads happen now too: nothing changes until every rank has read everything.
         steps = [(tensor, _read_scalar(ckpt, name)) for tensor, name in steps.values()]
         rng_states = None
-        if restore_rng and ckpt.world_size == _world(layout):
+        if restore_rng and ckpt.world_size == layout.world:
             rng_states = _read_rng(ckpt, f"rng-r{layout.rank:05d}.safetensors")
         elif restore_rng and log is not None and layout.rank == 0:
             log(f"note: {path} was written by {ckpt.world_size} rank(s), this run has "
-                f"{_world(layout)}: the random number generators are not restored (the data "
+                f"{layout.world}: the random number generators are not restored (the data "
                 "order and the initial values do not depend on them)")
     except CheckpointError as e:
         error = str(e)
-    errors = [e for e in _everyone(layout, error) if e]
+    errors = [e for e in layout.everyone(error) if e]
     if errors:
         raise CheckpointError(errors[0])
     _apply_reads(ckpt, model_reads + optim_reads)

@@ -468,7 +468,7 @@ def from_hf(path: str, dtype: torch.dtype = torch.float32, log=print) -> CausalL
     model = model.to(dtype).to_empty(device="cpu")
     reset_rope_buffers(model, model_cfg)
     targets = model.state_dict()
-    stacks = {name: {"w_in": m.w_in_EDH, "w_out": m.w_out_EFD} for name, m in model.named_modules()
+    stacks = {name: {"w_in": m.w_in_EDU, "w_out": m.w_out_EFD} for name, m in model.named_modules()
               if isinstance(m, GroupedExperts)}
     with torch.no_grad():
         for name, tensor in stream:          # names and shapes already checked against the model

@@ -191,6 +191,17 @@ def test_function_level_imports_only_where_they_keep_a_heavy_import_out_of_start
     assert used == set(LAZY), f"LAZY entries no file needs any more: {set(LAZY) - used}"
 
 
+def test_no_private_name_is_imported_across_modules():
+    """A name with a leading underscore belongs to its file: one used elsewhere is made public
+    or moves beside its user."""
+    for path in source_modules().values():
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ImportFrom):
+                private = [a.name for a in node.names
+                           if a.name.startswith("_") and not a.name.startswith("__")]
+                assert not private, f"{path.relative_to(ROOT)}:{node.lineno} imports {private}"
+
+
 def test_data_prepare_never_loads_torch():
     """`moepar data prepare` starts worker processes; none of them needs torch (~3 s each)."""
     import subprocess
