@@ -93,7 +93,7 @@ class Trainer:
         self.sampler = build_sampler(cfg)
         self.validation = Validation(cfg, self.dims, self.rank) if tcfg.eval_every else None
         init_process_group(cfg.parallel, self.device, world_size)
-        if world_size > 1 and shared_run_dir:   # every rank writes checkpoints there
+        if shared_run_dir:   # every rank writes checkpoints there (a no-op alone)
             try:
                 check_shared_filesystem(cfg.run.dir, self.rank, world_size)
             except ValueError as e:
