@@ -17,14 +17,14 @@ PACKAGES = {"moepar": "moepar", "layers": "moepar.layers", "parallel": "moepar.p
 LAZY = {
     ("moepar", "moepar.infer.generate"):
         "`import moepar` runs before every submodule: moepar.from_hf/load import the tool on use",
-    ("moepar.plots", "matplotlib"): "matplotlib (~0.5 s); only drawing needs it",
+    ("moepar.plots", "matplotlib"): "matplotlib; only drawing a picture needs it",
     ("moepar.metrics", "torch.utils.tensorboard"):
-        "TensorBoard's writer (~0.3 s, protobuf); only with run.tensorboard",
+        "TensorBoard's writer (protobuf); only with run.tensorboard",
     ("moepar.data.bpe", "tokenizers"): "Hugging Face tokenizers; only to train a BPE",
     ("moepar.data.tokenizer", "tokenizers"): "Hugging Face tokenizers; only for tokenizer.json",
     ("moepar.infer.source", "tokenizers"): "Hugging Face tokenizers; only for tokenizer.json",
     ("moepar.parallel.zero", "torch.distributed.fsdp"):
-        "FSDP2 imports torch._dynamo (~3 s); only parallel.zero=3 needs it",
+        "FSDP2 pulls in torch's compiler (seconds); only parallel.zero=3 needs it",
     ("moepar.parallel.zero", "torch.distributed.tensor"): "DTensor, with FSDP2: zero=3 only",
     ("moepar.bench.fakeworld", "torch.testing._internal"):
         "torch's test package (the fake process group); only `bench memory --simulate`",
