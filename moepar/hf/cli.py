@@ -21,7 +21,8 @@ from moepar.infer.source import SourceError, resolve_source
 from moepar.layers.model import ModelConfig
 from moepar.layers.router import RouterConfig
 
-from .arch import ARCHS, ConversionError, arch_problems, matching_archs
+from . import arch
+from .arch import ARCHS, ConversionError, arch_problems
 from .convert import hf_to_moepar, moepar_to_hf
 
 __all__ = ["main", "build_parser"]
@@ -99,7 +100,7 @@ def export_arch(ckpt: str, log=print) -> str | None:
         model, router = ModelConfig(**config["model"]), RouterConfig(**config["router"])
     except (KeyError, TypeError, ValueError) as e:
         raise ConversionError(f"{ckpt!r}: state.json holds no usable model config ({e})") from None
-    fits = matching_archs(model, router)
+    fits = arch.matching_archs(model, router)   # looked up on use (tests replace it)
     if len(fits) == 1:
         log(f"architecture {fits[0]}: the only one this model fits (--arch NAME to choose)")
         return fits[0]
