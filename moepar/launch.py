@@ -33,9 +33,9 @@ import signal
 import sys
 import time
 
+import torch.distributed.run as torch_run
 from torch.distributed.elastic.multiprocessing.api import SignalException
 from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
-from torch.distributed.run import get_args_parser, run
 
 from moepar.build import build_dims
 from moepar.checkpoint import CheckpointError, latest_checkpoint, read_state
@@ -135,13 +135,13 @@ def launch(nproc: int, argv: list[str], run_dir: str | None = None,
     launcher = launcher or ["--standalone", f"--nproc_per_node={nproc}"]
     if restarts(launcher):
         os.environ.setdefault(*FRESH_STORE_ENV)
-    args = get_args_parser().parse_args([*launcher, "--module", "moepar"])
+    args = torch_run.get_args_parser().parse_args([*launcher, "--module", "moepar"])
     args.training_script_args = list(argv)
     if one_node:
         os.environ[LAUNCHER_ENV] = str(os.getpid())  # the workers' rank 0: "your launcher holds it"
     started = time.time()
     try:
-        run(args)
+        torch_run.run(args)
     except ChildFailedError as e:
         # Workers the agent stopped (SIGTERM) once another had failed say nothing of their own.
         codes = {failure.exitcode for failure in e.failures.values()} - {-signal.SIGTERM}
