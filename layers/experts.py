@@ -1,7 +1,8 @@
 """Feed-forward networks: stacked routed experts (one grouped GEMM), the dense FFN, shared experts.
 
 Legend: R rows (token copies sorted by expert), E experts on this module, D model dim,
-F hidden dim per expert, T tokens.
+F hidden dim per expert, U the in-projection's width (2F for SwiGLU: gate then up; F otherwise),
+T tokens.
 
 SwiGLU keeps the gate and up projections fused in one weight (`w_in`, last dim 2F: gate first,
 then up) so each expert costs two GEMMs, not three.
@@ -64,7 +65,7 @@ def _in_features(ffn_dim: int, activation: str) -> int:
 
 
 class GroupedExperts(nn.Module):
-    """E experts with weights stacked on dim 0: `w_in_EDH` [E, D, 2F or F], `w_out_EFD` [E, F, D].
+    """E experts with weights stacked on dim 0: `w_in_EDU` [E, D, 2F or F], `w_out_EFD` [E, F, D].
 
     forward(x_RD, plan) runs expert e on its contiguous block of rows of each chunk of a
     dispatcher's plan; no Python loop over experts. Expert parallelism shards dim 0 (each rank
@@ -79,9 +80,9 @@ class GroupedExperts(nn.Module):
         self.num_experts, self.activation = num_experts, activation
         # Expert parallelism keeps a block of experts; these name them by global id.
         self.expert_offset, self.num_global_experts = 0, num_experts
-        self.w_in_EDH = nn.Parameter(torch.empty(num_experts, dim, _in_features(ffn_dim, activation)))
+        self.w_in_EDU = nn.Parameter(torch.empty(num_experts, dim, _in_features(ffn_dim, activation)))
         self.w_out_EFD = nn.Parameter(torch.empty(num_experts, ffn_dim, dim))
-        nn.init.normal_(self.w_in_EDH, std=init_std)
+        nn.init.normal_(self.w_in_EDU, std=init_std)
         nn.init.normal_(self.w_out_EFD, std=out_init_std or init_std)
         # Set by parallel/checkpointing.py (train.recompute="experts"): recompute(fn, *args) runs
         # fn so that backward runs it again instead of keeping its activations.
@@ -96,7 +97,7 @@ class GroupedExperts(nn.Module):
         and its outputs leave through `chunk.depart`, so chunk c's GEMMs run while the next
         chunk's rows travel. One call for every chunk, so module hooks (FSDP's unshard and
         reshard) see the experts called once, with the rows as their tensor input."""
-        w_in, w_out = self.w_in_EDH, self.w_out_EFD
+        w_in, w_out = self.w_in_EDU, self.w_out_EFD
         chunks = plan.chunks
         if len(chunks) > 1:
             sizes = [chunk.num_experts for chunk in chunks]
@@ -115,18 +116,18 @@ class GroupedExperts(nn.Module):
             y_RD.append(chunk.depart(y))
         return tuple(y_RD)
 
-    def ffn(self, x_RD, rows_per_expert: HostRows, offs_E, w_in_EDH, w_out_EFD, later=None):
+    def ffn(self, x_RD, rows_per_expert: HostRows, offs_E, w_in_EDU, w_out_EFD, later=None):
         """`expert_ffn` with this module's activation on (a block of) its weights. Under
         recompute only this is run again in backward (never a dispatcher's all-to-alls), and
         nothing is deferred (`later` is not used)."""
         activation = self.activate or self.activation
         if self.recompute is not None:
-            return self.recompute(expert_ffn, x_RD, rows_per_expert, offs_E, w_in_EDH, w_out_EFD,
+            return self.recompute(expert_ffn, x_RD, rows_per_expert, offs_E, w_in_EDU, w_out_EFD,
                                   activation)
-        return expert_ffn(x_RD, rows_per_expert, offs_E, w_in_EDH, w_out_EFD, activation, later)
+        return expert_ffn(x_RD, rows_per_expert, offs_E, w_in_EDU, w_out_EFD, activation, later)
 
 
-def expert_ffn(x_RD, rows_per_expert: HostRows, offs_E, w_in_EDH, w_out_EFD, activation,
+def expert_ffn(x_RD, rows_per_expert: HostRows, offs_E, w_in_EDU, w_out_EFD, activation,
                later: "LaterWeightGrads | None" = None):
     """The experts' maths on rows grouped by expert, for any block of experts' weights (the
     all-to-all pipeline runs a block of local experts per chunk); `activation` is a name of
@@ -134,16 +135,16 @@ def expert_ffn(x_RD, rows_per_expert: HostRows, offs_E, w_in_EDH, w_out_EFD, act
     `defer_weight_grads` on these weights), backward gives the input gradient first and leaves
     the weight gradients to that node."""
     if later is not None and x_RD.requires_grad and torch.is_grad_enabled():
-        return _DeferredFFN.apply(x_RD, w_in_EDH, w_out_EFD, rows_per_expert, offs_E, activation,
+        return _DeferredFFN.apply(x_RD, w_in_EDU, w_out_EFD, rows_per_expert, offs_E, activation,
                                   later)
-    return _ffn(x_RD, rows_per_expert, offs_E, w_in_EDH, w_out_EFD, activation)[-1]
+    return _ffn(x_RD, rows_per_expert, offs_E, w_in_EDU, w_out_EFD, activation)[-1]
 
 
-def _ffn(x_RD, rows_per_expert, offs_E, w_in_EDH, w_out_EFD, activation, cut=lambda t: t):
+def _ffn(x_RD, rows_per_expert, offs_E, w_in_EDU, w_out_EFD, activation, cut=lambda t: t):
     """(h, its activation, output); `cut` is applied to h and to the activation before use."""
-    h_RH = grouped_mm(x_RD, w_in_EDH, rows_per_expert, offs_E)
-    a_RF = activate(cut(h_RH), activation)
-    return h_RH, a_RF, grouped_mm(cut(a_RF), w_out_EFD, rows_per_expert, offs_E)
+    h_RU = grouped_mm(x_RD, w_in_EDU, rows_per_expert, offs_E)
+    a_RF = activate(cut(h_RU), activation)
+    return h_RU, a_RF, grouped_mm(cut(a_RF), w_out_EFD, rows_per_expert, offs_E)
 
 
 # -- weight gradients after the input gradient ---------------------------------------------------
@@ -183,10 +184,10 @@ class _WeightGrads(torch.autograd.Function):
     graph (what arrives is the zeros that call returned for them)."""
 
     @staticmethod
-    def forward(ctx, w_in_EDH, w_out_EFD, later):
+    def forward(ctx, w_in_EDU, w_out_EFD, later):
         ctx.later = later
-        outs = w_in_EDH.view_as(w_in_EDH), w_out_EFD.view_as(w_out_EFD)
-        ctx.mark_non_differentiable(*(o for o, w in zip(outs, (w_in_EDH, w_out_EFD))
+        outs = w_in_EDU.view_as(w_in_EDU), w_out_EFD.view_as(w_out_EFD)
+        ctx.mark_non_differentiable(*(o for o, w in zip(outs, (w_in_EDU, w_out_EFD))
                                       if not w.requires_grad))
         return outs
 
@@ -212,7 +213,7 @@ class _DeferredFFN(torch.autograd.Function):
     backward would; its ends are held as gradient edges, so no output stays alive for it."""
 
     @staticmethod
-    def forward(ctx, x_RD, w_in_EDH, w_out_EFD, rows_per_expert, offs_E, activation, later):
+    def forward(ctx, x_RD, w_in_EDU, w_out_EFD, rows_per_expert, offs_E, activation, later):
         cuts = []
 
         def cut(t):   # a leaf of the inner graph in t's place, so each step is asked for alone
@@ -220,12 +221,12 @@ class _DeferredFFN(torch.autograd.Function):
             return cuts[-1]
 
         with torch.enable_grad():
-            x_, w_in_, w_out_ = (cut(t) for t in (x_RD, w_in_EDH, w_out_EFD))
-            h_RH, a_RF, y_RD = _ffn(x_, rows_per_expert, offs_E, w_in_, w_out_, activation, cut)
-        edges = [get_gradient_edge(t) for t in (h_RH, a_RF, y_RD)]
+            x_, w_in_, w_out_ = (cut(t) for t in (x_RD, w_in_EDU, w_out_EFD))
+            h_RU, a_RF, y_RD = _ffn(x_, rows_per_expert, offs_E, w_in_, w_out_, activation, cut)
+        edges = [get_gradient_edge(t) for t in (h_RU, a_RF, y_RD)]
         ctx.inner = (x_, *edges, *cuts[3:])
         ctx.later = later
-        ctx.shapes = [(w.shape, w.dtype, w.device) for w in (w_in_EDH, w_out_EFD)]
+        ctx.shapes = [(w.shape, w.dtype, w.device) for w in (w_in_EDU, w_out_EFD)]
         later.inner = (edges[0], edges[2], w_in_, w_out_)
         return y_RD.detach()
 
@@ -250,19 +251,19 @@ def _saved_tensor_hooks_active() -> bool:
     return torch._C._autograd._top_saved_tensors_default_hooks(False) is not None
 
 
-def defer_weight_grads(w_in_EDH, w_out_EFD):
+def defer_weight_grads(w_in_EDU, w_out_EFD):
     """(w_in, w_out, later): pass the weights and `later` to `expert_ffn`, and its backward gives
     the input gradient, and then, as the next node autograd runs after those recorded since
     this call, the weight gradients. Call it before recording the node that should run in
     between (the all-to-all's wait). `later` is None when nothing is to be deferred: no
     gradient to compute, or saved-tensor hooks at work (activation recompute, or offloading:
     the inner graph would hide its tensors from them)."""
-    if not (torch.is_grad_enabled() and (w_in_EDH.requires_grad or w_out_EFD.requires_grad)):
-        return w_in_EDH, w_out_EFD, None
+    if not (torch.is_grad_enabled() and (w_in_EDU.requires_grad or w_out_EFD.requires_grad)):
+        return w_in_EDU, w_out_EFD, None
     if _saved_tensor_hooks_active():
-        return w_in_EDH, w_out_EFD, None
+        return w_in_EDU, w_out_EFD, None
     later = LaterWeightGrads()
-    return *_WeightGrads.apply(w_in_EDH, w_out_EFD, later), later
+    return *_WeightGrads.apply(w_in_EDU, w_out_EFD, later), later
 
 
 class FeedForward(nn.Module):

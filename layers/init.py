@@ -1,10 +1,10 @@
 """Layout-free initialization: every canonical tensor is drawn from its own generator.
 
-Legend: E experts of a stack, D model dim, H expert input features (2F for SwiGLU), F hidden.
+Legend: E experts of a stack, D model dim, F hidden, U the in-projection's width (2F for SwiGLU).
 
 A canonical tensor is a parameter (or persistent buffer) under its model name, except that a
-stacked expert tensor is one tensor per global expert: `layers.1.ffn.experts.w_in_EDH` [E, D, H]
-is `layers.1.ffn.experts.5.w_in` [D, H] for expert 5 (the checkpoint's names). Each canonical
+stacked expert tensor is one tensor per global expert: `layers.1.ffn.experts.w_in_EDU` [E, D, U]
+is `layers.1.ffn.experts.5.w_in` [D, U] for expert 5 (the checkpoint's names). Each canonical
 tensor is drawn on the host from a generator seeded by (seed, its name), so its values do not
 depend on which rank holds it, how it is sliced, or the device: a rank can draw just the tensors
 it holds (one at a time), and every layout starts from the same weights as one process.
@@ -31,11 +31,11 @@ from typing import NamedTuple
 import torch
 from torch import nn
 
+from .attention import Attention
 from .experts import FeedForward, GroupedExperts, SharedExperts
 from .mla import MLA
-from .model import Attention, Transformer
-from .rope import RMSNorm
-from .router import _RouterBase
+from .rope import RMSNorm, model_rotary_tables
+from .router import RouterBase
 
 __all__ = ["InitSpec", "CanonicalTensor", "canonical_tensors", "expert_split", "draw",
            "init_weights", "reset_rope_buffers"]
@@ -65,7 +65,7 @@ def expert_split(name: str, experts: dict):
     return None
 
 
-def _module_specs(model: Transformer) -> dict[str, InitSpec]:
+def _module_specs(model: nn.Module) -> dict[str, InitSpec]:
     """InitSpec per parameter / persistent buffer name of the (unsharded) model."""
     cfg = model.cfg
     std, out_std = cfg.init_std, cfg.init_std / (2 * cfg.num_layers) ** 0.5
@@ -78,12 +78,12 @@ def _module_specs(model: Transformer) -> dict[str, InitSpec]:
             specs[f"{at}weight"] = InitSpec("normal", std)
             if getattr(module, "bias", None) is not None:
                 specs[f"{at}bias"] = InitSpec("zeros")
-        elif isinstance(module, _RouterBase):
+        elif isinstance(module, RouterBase):
             specs[f"{at}weight"] = InitSpec("normal", ROUTER_STD)
             if hasattr(module, "expert_bias_E"):
                 specs[f"{at}expert_bias_E"] = InitSpec("zeros")
         elif isinstance(module, GroupedExperts):
-            specs[f"{at}w_in_EDH"] = InitSpec("normal", std)
+            specs[f"{at}w_in_EDU"] = InitSpec("normal", std)
             specs[f"{at}w_out_EFD"] = InitSpec("normal", out_std)
     # Output projections (named_modules visits parents first, so these override the Linear rule).
     for prefix, module in model.named_modules():
@@ -102,7 +102,7 @@ def _module_specs(model: Transformer) -> dict[str, InitSpec]:
     return specs
 
 
-def canonical_tensors(model: Transformer) -> dict[str, CanonicalTensor]:
+def canonical_tensors(model: nn.Module) -> dict[str, CanonicalTensor]:
     """Every canonical tensor of a whole (unsharded, possibly meta) model: name -> shape, dtype,
     initial value. Stacked experts are split into one tensor per expert."""
     specs = _module_specs(model)
@@ -150,7 +150,7 @@ def draw(name: str, tensor: CanonicalTensor, seed: int) -> torch.Tensor:
 
 def reset_rope_buffers(model: nn.Module, cfg):
     """Recomputes the rotary tables of every module that holds them (after `to_empty`)."""
-    cos, sin = Transformer.rotary_buffers(cfg)
+    cos, sin = model_rotary_tables(cfg)
     for module in model.modules():
         if "rope_cos" in module._buffers:   # keep each table's device and dtype
             old = module.rope_cos
@@ -159,7 +159,7 @@ def reset_rope_buffers(model: nn.Module, cfg):
 
 
 @torch.no_grad()
-def init_weights(model: Transformer, seed: int):
+def init_weights(model: nn.Module, seed: int):
     """Draws every tensor of a whole model in place (one process: no sharding), as every layout
     does for its shards; rotary tables recomputed."""
     tensors = canonical_tensors(model)

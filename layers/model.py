@@ -3,9 +3,10 @@
 Legend: B batch (sequences), S sequence length, D model dim, H query heads, G key/value heads,
 Hd head dim, V vocabulary.
 
-Blocks are pre-norm: h = x + attn(norm(x)); out = h + ffn(norm(h)). Attention is causal with
-rotary position embeddings (rotate-half convention, as Llama/Mixtral/Qwen) and grouped-query heads
-through SDPA. A layer is MoE when its index i >= first_k_dense and (i - first_k_dense) % moe_every == 0.
+Blocks are pre-norm: h = x + attn(norm(x)); out = h + ffn(norm(h)). Attention (attention.py) is
+causal with rotary position embeddings (rotate-half convention, as Llama/Mixtral/Qwen) and
+grouped-query heads through SDPA. A layer is MoE when its index i >= first_k_dense and
+(i - first_k_dense) % moe_every == 0.
 Decoding passes a KVCache (cache.py): each call runs the positions after the cached ones.
 """
 
@@ -15,15 +16,17 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from .attention import Attention
 from .balance import BalanceStep, MicroBalance
-from .cache import KVCache, LayerCache, causal_attention
+from .cache import KVCache, LayerCache
 from .experts import ACTIVATIONS, FeedForward
+from .init import init_weights
 from .mla import MLA
-from .rope import RMSNorm, YaRN, apply_rotary, rotary_tables
 from .moe import MoE
+from .rope import RMSNorm, YaRN, model_rotary_tables
 from .router import RouterConfig, check_number
 
-__all__ = ["ModelConfig", "Transformer", "Attention", "RMSNorm", "Block", "QK_NORMS", "ROPE_SCALINGS"]
+__all__ = ["ModelConfig", "Transformer", "Block", "QK_NORMS", "ROPE_SCALINGS"]
 
 QK_NORMS = ("none", "head", "full")
 ROPE_SCALINGS = ("none", "yarn")
@@ -167,59 +170,6 @@ class ModelConfig:
                 and (i - self.first_k_dense) % self.moe_every == self.moe_offset)
 
 
-class Attention(nn.Module):
-    """Causal grouped-query attention with RoPE; optional q/k/v biases and q/k RMSNorm.
-
-    q, k and v come from one fused projection `qkv_proj` (rows [q of H heads; k of G heads; v of
-    G heads]): one GEMM reads the input once, and backward runs one input-gradient and one
-    weight-gradient GEMM instead of three each. q, k, v are views of its output."""
-
-    def __init__(self, cfg: ModelConfig, out_init_std: float):
-        super().__init__()
-        hd = cfg.head_dim_resolved
-        self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_heads, cfg.num_kv_heads, hd
-        bias = cfg.attention_bias
-        self.qkv_proj = nn.Linear(cfg.dim, (cfg.num_heads + 2 * cfg.num_kv_heads) * hd, bias=bias)
-        self.o_proj = nn.Linear(cfg.num_heads * hd, cfg.dim, bias=False)
-        # Placeholder values: layers/init.py draws the model's weights (Transformer.__init__, or
-        # each rank's shards), the q, k and v row blocks each under its own old name.
-        nn.init.normal_(self.qkv_proj.weight, std=cfg.init_std)
-        if bias:
-            nn.init.zeros_(self.qkv_proj.bias)
-        nn.init.normal_(self.o_proj.weight, std=out_init_std)
-        self.qk_norm = cfg.qk_norm
-        if cfg.qk_norm != "none":
-            # "head": one weight of head_dim shared by all heads; "full": over all heads' features.
-            q_dim, k_dim = (hd, hd) if cfg.qk_norm == "head" else (cfg.num_heads * hd, cfg.num_kv_heads * hd)
-            self.q_norm, self.k_norm = RMSNorm(q_dim, cfg.norm_eps), RMSNorm(k_dim, cfg.norm_eps)
-
-    def qkv_sizes(self) -> tuple[int, int, int]:
-        """Rows of q, k, v in qkv_proj (local head counts under tensor parallelism)."""
-        q, kv = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
-        return q, kv, kv
-
-    def forward(self, x_BSD, cos_SHd, sin_SHd, cache: LayerCache | None = None):
-        """`cache`: decoding; x_BSD holds the S positions after the cached ones, and cos/sin are
-        theirs."""
-        batch, seq, _ = x_BSD.shape
-        q, k, v = self.qkv_proj(x_BSD).split(self.qkv_sizes(), dim=-1)   # views, no copies
-        if self.qk_norm == "full":
-            q, k = self.q_norm(q), self.k_norm(k)
-        q_BSHd = q.view(batch, seq, -1, self.head_dim)
-        k_BSGd = k.view(batch, seq, -1, self.head_dim)
-        if self.qk_norm == "head":
-            q_BSHd, k_BSGd = self.q_norm(q_BSHd), self.k_norm(k_BSGd)
-        q_BHSd = apply_rotary(q_BSHd.transpose(1, 2), cos_SHd, sin_SHd)
-        k_BGSd = apply_rotary(k_BSGd.transpose(1, 2), cos_SHd, sin_SHd)
-        v_BGSd = v.unflatten(-1, (-1, self.head_dim)).transpose(1, 2)
-        start = 0
-        if cache is not None:   # attend over the cached positions too: k, v [B, G, L, Hd]
-            start = cache.length
-            k_BGSd, v_BGSd = cache.extend(2, k_BGSd, v_BGSd)
-        o_BHSd = causal_attention(q_BHSd, k_BGSd, v_BGSd, start)
-        return self.o_proj(o_BHSd.transpose(1, 2).reshape(batch, seq, -1))
-
-
 class Block(nn.Module):
     """One pre-norm decoder block; `ffn` is a FeedForward or a MoE (fixed at build time)."""
 
@@ -294,14 +244,9 @@ class Transformer(nn.Module):
         # Built on the meta device (a sharded run), each rank draws its own shards later;
         # otherwise draw now, with the same layout-free values (layers/init.py).
         if self.embed.weight.device.type != "meta":
-            from .init import init_weights
             init_weights(self, seed)
 
-    @staticmethod
-    def rotary_buffers(cfg: ModelConfig):
-        """(cos, sin) [max_seq_len, rope dim] in float64 on the host: exact for float64 models;
-        `.to(dtype)` rounds them once for others."""
-        return rotary_tables(cfg.max_seq_len, cfg.rope_dim, cfg.rope_theta, yarn=cfg.yarn)
+    rotary_buffers = staticmethod(model_rotary_tables)
 
     # Under sequence parallelism hidden states hold 1/seq_split of each sequence (tensor.py).
     seq_split = 1

@@ -17,7 +17,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-__all__ = ["RMSNorm", "YaRN", "yarn_mscale", "rope_inv_freq", "rotary_tables", "apply_rotary"]
+__all__ = ["RMSNorm", "YaRN", "yarn_mscale", "rope_inv_freq", "rotary_tables", "model_rotary_tables",
+           "apply_rotary"]
 
 
 class RMSNorm(nn.Module):
@@ -120,6 +121,12 @@ class _Rotary(torch.autograd.Function):
         cos_SHd, sin_SHd = ctx.saved_tensors
         g_sin1, g_sin2 = (grad_BHSd * sin_SHd).chunk(2, dim=-1)
         return grad_BHSd * cos_SHd + torch.cat([g_sin2, -g_sin1], dim=-1), None, None
+
+
+def model_rotary_tables(cfg):
+    """(cos, sin) [max_seq_len, rope dim] of a ModelConfig, in float64 on the host: exact for
+    float64 models; `.to(dtype)` rounds them once for others."""
+    return rotary_tables(cfg.max_seq_len, cfg.rope_dim, cfg.rope_theta, yarn=cfg.yarn)
 
 
 def apply_rotary(x_BHSd, cos_SHd, sin_SHd):

@@ -179,7 +179,7 @@ def _logged_unless(coeff: float, loss_fn, *args):
         return loss_fn(*args)
 
 
-class _RouterBase(nn.Module):
+class RouterBase(nn.Module):
     def __init__(self, dim: int, num_experts: int, top_k: int, cfg: RouterConfig):
         super().__init__()
         cfg.check_experts(num_experts, top_k)
@@ -199,7 +199,7 @@ class _RouterBase(nn.Module):
         return torch.sigmoid(logits_TE)
 
 
-class TopKRouter(_RouterBase):
+class TopKRouter(RouterBase):
     """Token choice: each token picks its K best experts (optionally within its best groups).
 
     `expert_bias_E` (aux-loss-free balancing) shifts which experts are selected but never the
@@ -324,7 +324,7 @@ class TopKRouter(_RouterBase):
         self.expert_bias_E += self.cfg.bias_update_rate * torch.sign(load_E.mean() - load_E)
 
 
-class ExpertChoiceRouter(_RouterBase):
+class ExpertChoiceRouter(RouterBase):
     """Expert choice (Zhou et al. 2022): each expert picks its C best tokens by softmax score.
 
     Balanced by construction (every expert gets exactly C tokens); a token may get 0..E experts.

@@ -12,6 +12,8 @@ import importlib
 import os
 import sys
 
+from moepar import __version__
+
 __all__ = ["main", "COMMANDS"]
 
 # name -> (module with main(argv) -> int, one line of help)
@@ -61,7 +63,6 @@ def main(argv: list[str] | None = None) -> int:
         print(usage(), file=sys.stdout if argv else sys.stderr)
         return 0 if argv else 2
     if argv[0] == "--version":
-        from moepar import __version__
         print(f"moepar {__version__}")
         return 0
     command, rest = argv[0], argv[1:]

@@ -18,6 +18,8 @@ import socket
 import time
 import uuid
 
+import torch.distributed as dist
+
 __all__ = ["MULTINODE_FLAGS", "pop_multinode", "launcher_argv", "node_counts",
            "check_shared_filesystem"]
 
@@ -115,7 +117,6 @@ def check_shared_filesystem(run_dir: str, rank: int, world: int, settle_s: float
     it). Checkpoints are written by every rank into run.dir and committed by rank 0, so they
     need one filesystem all nodes mount. A token that another node created may take a moment to
     appear over NFS: a rank looks again for up to `settle_s` seconds."""
-    import torch.distributed as dist
     if world == 1:
         return
     box = [uuid.uuid4().hex if rank == 0 else None]

@@ -6,12 +6,14 @@ The model and router sections are the dataclasses `moepar.layers` builds from.
 """
 
 import dataclasses
+import inspect
 import json
 import os
 import re
 import types
 import typing
 from dataclasses import dataclass, field
+from importlib.resources import files
 
 from moepar.jsonfile import read_toml
 from moepar.layers.model import ModelConfig
@@ -23,7 +25,7 @@ from moepar.parallel.pipeline import split_layers
 from moepar.parallel.schedules import SCHEDULES
 from moepar.parallel.tensor import check_tp
 
-__all__ = ["RunConfig", "ParallelConfig", "TrainConfig", "DataConfig", "OutputConfig",
+__all__ = ["RunConfig", "ParallelConfig", "TrainConfig", "DataConfig", "RunDirConfig",
            "load_config", "config_path", "packaged_examples", "parse_overrides", "to_toml",
            "to_dict", "sections_toml", "config_reference", "model_sections"]
 
@@ -253,7 +255,7 @@ class DataConfig:
 
 
 @dataclass
-class OutputConfig:
+class RunDirConfig:
     """The `[run]` section: where the run lives and how often it reports and saves."""
     dir: str = "runs/tiny"
     log_every: int = 10
@@ -298,7 +300,7 @@ class RunConfig:
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
     data: DataConfig = field(default_factory=DataConfig)
-    run: OutputConfig = field(default_factory=OutputConfig)
+    run: RunDirConfig = field(default_factory=RunDirConfig)
 
     def __post_init__(self):
         self.run.allow_changes = config_keys(self.run.allow_changes, "run.allow_changes")
@@ -484,7 +486,6 @@ def parse_overrides(args: list[str]) -> dict:
 
 def packaged_examples() -> dict[str, str]:
     """The example configs installed with moepar (the checkout's examples/*.toml): {name: path}."""
-    from importlib.resources import files
     return {p.name[:-len(".toml")]: str(p) for p in files("moepar.examples").iterdir()
             if p.name.endswith(".toml")}
 
@@ -559,7 +560,6 @@ def sections_toml(sections: dict) -> str:
 def _field_comments(cls) -> dict[str, str]:
     """{field: its trailing `# comment`} from the dataclass source (the one place keys are
     described), or {} when the source is not available."""
-    import inspect
     try:
         lines = inspect.getsource(cls).splitlines()
     except (OSError, TypeError):

@@ -11,9 +11,12 @@ device), so a 671B-parameter config on 2048 ranks takes well under a second. An 
 ZeRO shards over the fewest ranks and each rank holds the most.
 """
 
+import dataclasses
+
 from moepar.build import COMPUTE_DTYPES, PARAM_DTYPES, build_dims
 from moepar.config import to_toml
-from moepar.plan.memory import moment_bytes, param_count, rank_memory, tensor_shapes
+from moepar.layers.shapes import param_count, tensor_shapes
+from moepar.plan.memory import moment_bytes, rank_memory
 from moepar.progress import count_text
 
 __all__ = ["dry_run", "dry_run_text", "rank_kinds"]
@@ -45,7 +48,6 @@ def rank_kinds(cfg, dims) -> list[dict]:
 
 def dry_run(cfg, nproc: int, nodes=None) -> dict:
     """The dry run's numbers. `nodes`: the node counts of --nnodes (None: one node of nproc)."""
-    import dataclasses
 
     counts = list(nodes) if nodes else [1]
     if nodes and not cfg.parallel.gpus_per_node:

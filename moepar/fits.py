@@ -11,6 +11,11 @@ bytes on a GPU.
 
 import os
 
+import torch
+
+from moepar.build import COMPUTE_DTYPES, PARAM_DTYPES, build_dims
+from moepar.plan.memory import moment_bytes, rank_memory
+
 __all__ = ["available_bytes", "check_fits", "check_run_fits", "GIB"]
 
 GIB = 2 ** 30
@@ -32,7 +37,6 @@ def _host_available() -> int:
 
 def available_bytes(device) -> int:
     """Bytes `device` can still give (a torch.device or its name); 0 when unknown."""
-    import torch
     device = torch.device(device)
     if device.type == "cuda":
         try:
@@ -53,8 +57,6 @@ def check_fits(need: int, device, what: str, have: int | None = None):
 
 
 def _rank_bytes(cfg, dims, rank: int) -> int:
-    from moepar.build import COMPUTE_DTYPES, PARAM_DTYPES
-    from moepar.plan.memory import moment_bytes, rank_memory
     p, dtype = cfg.parallel, cfg.train.dtype
     compute = COMPUTE_DTYPES[dtype].itemsize if dtype in COMPUTE_DTYPES else 0
     m = rank_memory(cfg.model, dims, rank, p.zero, PARAM_DTYPES[dtype].itemsize,
@@ -67,9 +69,7 @@ def check_run_fits(cfg, world_size: int, ranks: list[int], device):
     """Refuses (ValueError) a run whose ranks on this machine, `ranks` of `world_size`, need more
     than `device` has: on the host their sum, on GPUs each rank against its own device
     (`device` is then rank ranks[0]'s, and rank r of this node takes device r - ranks[0])."""
-    import torch
 
-    from moepar.build import build_dims
     dims = build_dims(cfg, world_size)
     device = torch.device(device)
     where = f"world {world_size}, zero {cfg.parallel.zero}, {cfg.train.dtype}"

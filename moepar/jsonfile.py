@@ -18,10 +18,12 @@ fstat says what the path is, so a FIFO, a device or a directory is refused befor
 """
 
 import errno
+import json
 import math
 import os
 import re
 import stat
+import tomllib
 
 import numpy as np
 
@@ -168,7 +170,6 @@ def parse_json(text, where: str, schema=None, max_depth: int = MAX_DEPTH):
     """The JSON value in `text` (bytes or str), checked against `schema` (None: any value);
     FileError naming `where` otherwise. NaN and Infinity literals parse to floats, and a schema
     that wants a finite number refuses them (moepar's own metrics.jsonl writes NaN losses)."""
-    import json
     data = text.encode("utf-8", "surrogatepass") if isinstance(text, str) else bytes(text)
     if isinstance(text, bytes):
         text = decode_utf8(data, where)
@@ -189,7 +190,6 @@ def read_json(path: str, schema=None, what: str = "", limit: int = MAX_JSON):
 
 def read_toml(path: str, what: str = "config file", limit: int = MAX_TOML) -> dict:
     """A TOML file as a dict (regular, at most `limit` bytes, UTF-8, nesting limited)."""
-    import tomllib
     where = f"{_label(what)}{path!r}"
     data = read_bytes(path, limit, what)
     text = decode_utf8(data, where)

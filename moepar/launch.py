@@ -1,4 +1,6 @@
 """`moepar train`: parse the command line, validate the config, start workers, run the Trainer.
+The command and the launcher only: a process's own setup (device, process group, timeouts, dying
+with the launcher) is moepar/process.py.
 
     moepar train CONFIG.toml [--nproc N] [--section.key=value ...] [--dry-run]
     moepar train CONFIG.toml --nproc N --nnodes N|MIN:MAX --rdzv-endpoint HOST:PORT
@@ -7,8 +9,9 @@
 `--nproc N` validates the config for N ranks, takes run.dir's lock, then starts N local workers
 with torch's own elastic launcher (what `torchrun` runs); under `torchrun` (or any launcher that
 sets RANK and WORLD_SIZE) the process joins the given world instead. The multi-node flags
-(moepar/cluster.py) go to the same launcher, with torch's c10d rendezvous. Workers started by torch's
-launcher die with it (Linux: PR_SET_PDEATHSIG), so a killed launcher leaves no orphans.
+(moepar/cluster.py) go to the same launcher, with torch's c10d rendezvous. Workers started by
+torch's launcher die with it (Linux: PR_SET_PDEATHSIG, process.die_with_launcher), so a killed
+launcher leaves no orphans.
 
 | exit | meaning                                                                        |
 |------|--------------------------------------------------------------------------------|
@@ -25,15 +28,31 @@ launcher die with it (Linux: PR_SET_PDEATHSIG), so a killed launcher leaves no o
 
 import argparse
 import os
+import shlex
 import signal
 import sys
 import time
 
-__all__ = ["main", "launch", "FRESH_STORE_ENV", "end_process_group", "build_parser", "select_device",
-           "device_index", "init_process_group", "die_with_launcher", "timeout_for_new_groups",
-           "EXIT_FAILED", "EXIT_REFUSED", "EXIT_DIVERGED", "EXIT_PREEMPTED"]
+import torch.distributed.run as torch_run
+from torch.distributed.elastic.multiprocessing.api import SignalException
+from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 
-EXIT_FAILED, EXIT_REFUSED, EXIT_DIVERGED, EXIT_PREEMPTED = 1, 2, 3, 75
+from moepar.build import build_dims
+from moepar.checkpoint import CheckpointError, latest_checkpoint, read_state
+from moepar.cluster import launcher_argv, node_counts, pop_multinode
+from moepar.config import config_reference, load_config, to_toml
+from moepar.dryrun import dry_run_text
+from moepar.fits import check_run_fits
+from moepar.process import (EXIT_FAILED, LAUNCHER_ENV, die_with_launcher, end_process_group,
+                            select_device)
+from moepar.progress import start_summary
+from moepar.rundir import RunDirError, RunLock
+from moepar.train import NonFiniteError, Preempted, Trainer
+
+__all__ = ["main", "launch", "FRESH_STORE_ENV", "build_parser", "EXIT_FAILED", "EXIT_REFUSED",
+           "EXIT_DIVERGED", "EXIT_PREEMPTED"]
+
+EXIT_REFUSED, EXIT_DIVERGED, EXIT_PREEMPTED = 2, 3, 75    # EXIT_FAILED (1): moepar/process.py
 
 def restarts(launcher: list[str]) -> bool:
     """Whether torch's launcher arguments let it restart the workers."""
@@ -50,7 +69,6 @@ FRESH_STORE_ENV = ("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "1")
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from moepar.config import config_reference
     parser = argparse.ArgumentParser(
         allow_abbrev=False, prog="moepar train", formatter_class=argparse.RawDescriptionHelpFormatter,
         description="Train a model from a TOML config; any config key can be overridden as "
@@ -113,21 +131,17 @@ def launch(nproc: int, argv: list[str], run_dir: str | None = None,
     of several nodes or with restarts; default: one node, `--standalone`, no restarts. Over
     several nodes the workers' rank 0 takes run.dir's lock (this process is on one node only).
     """
-    from torch.distributed.elastic.multiprocessing.api import SignalException
-    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
-    from torch.distributed.run import get_args_parser, run
     one_node = launcher is None or "--standalone" in launcher
     launcher = launcher or ["--standalone", f"--nproc_per_node={nproc}"]
     if restarts(launcher):
         os.environ.setdefault(*FRESH_STORE_ENV)
-    args = get_args_parser().parse_args([*launcher, "--module", "moepar"])
+    args = torch_run.get_args_parser().parse_args([*launcher, "--module", "moepar"])
     args.training_script_args = list(argv)
-    from moepar.rundir import LAUNCHER_ENV
     if one_node:
         os.environ[LAUNCHER_ENV] = str(os.getpid())  # the workers' rank 0: "your launcher holds it"
     started = time.time()
     try:
-        run(args)
+        torch_run.run(args)
     except ChildFailedError as e:
         # Workers the agent stopped (SIGTERM) once another had failed say nothing of their own.
         codes = {failure.exitcode for failure in e.failures.values()} - {-signal.SIGTERM}
@@ -154,7 +168,6 @@ def launch(nproc: int, argv: list[str], run_dir: str | None = None,
 
 def _saved_for_preemption(run_dir: str, since: float) -> bool:
     """The newest checkpoint in run_dir was committed after `since` for a SIGTERM."""
-    from moepar.checkpoint import CheckpointError, latest_checkpoint, read_state
     path = latest_checkpoint(os.path.join(run_dir, "checkpoints"))
     try:
         return (path is not None and os.path.getmtime(os.path.join(path, "manifest.json")) >= since
@@ -163,123 +176,9 @@ def _saved_for_preemption(run_dir: str, since: float) -> bool:
         return False
 
 
-def die_with_launcher(env=None) -> bool:
-    """In a worker of torch's elastic launcher (Linux): the kernel sends SIGKILL when the launcher
-    dies, whatever kills it, so no worker trains on as an orphan (the launcher starts workers in
-    their own sessions, so nothing else would reach them). If `moepar train --nproc`'s launcher
-    is already gone (it died before this ran), exit now. Returns whether it applied. (The signal
-    follows the thread that started the worker; torch's launcher starts them from its main
-    thread, which lives as long as the launcher.)"""
-    import ctypes
-    env = os.environ if env is None else env
-    if "TORCHELASTIC_RUN_ID" not in env or not sys.platform.startswith("linux"):
-        return False
-    PR_SET_PDEATHSIG = 1
-    try:
-        libc = ctypes.CDLL(None, use_errno=True)
-        if libc.prctl(PR_SET_PDEATHSIG, int(signal.SIGKILL), 0, 0, 0) != 0:
-            return False
-    except (OSError, AttributeError):
-        return False
-    from moepar.rundir import LAUNCHER_ENV
-    expected = env.get(LAUNCHER_ENV)
-    if expected and expected.isdigit() and os.getppid() != int(expected):
-        print("moepar: the launcher that started this worker is gone; exiting", file=sys.stderr)
-        os._exit(EXIT_FAILED)
-    return True
-
-
-def device_index(env, cuda_count: int) -> int:
-    """The CUDA device of this process (pure): LOCAL_RANK when the launcher sets it (torchrun),
-    else RANK modulo the devices on this node (launchers such as SLURM's srun set only RANK and
-    WORLD_SIZE; every rank taking cuda:0 would make NCCL fail with "Duplicate GPU detected")."""
-    if "LOCAL_RANK" in env:
-        index = int(env["LOCAL_RANK"])
-        if index >= cuda_count:
-            raise ValueError(f"LOCAL_RANK={index} but this node has {cuda_count} CUDA device(s): "
-                             "start at most that many processes per node")
-        return index
-    return int(env.get("RANK", 0)) % cuda_count
-
-
-def select_device(want: str, backend: str = "auto", env=None, cuda_count: int | None = None):
-    """The device for train.device (auto, cpu, cuda) on this process; refuses a backend that
-    cannot carry that device's tensors (before any process group exists)."""
-    import torch
-    env = os.environ if env is None else env
-    cuda_count = torch.cuda.device_count() if cuda_count is None else cuda_count
-    if want == "cpu" or (want == "auto" and cuda_count == 0):
-        device = torch.device("cpu")
-    elif cuda_count == 0:
-        raise ValueError("train.device='cuda' but CUDA is not available")
-    else:
-        device = torch.device("cuda", device_index(env, cuda_count))
-    if backend == "gloo" and device.type == "cuda":
-        raise ValueError(f"parallel.backend='gloo' with train.device={want!r} on a CUDA host "
-                         f"(device {device}): gloo's all-to-all carries CPU tensors only; use "
-                         "parallel.backend='nccl' (or auto), or train.device='cpu'")
-    if backend == "nccl" and device.type == "cpu":
-        raise ValueError(f"parallel.backend='nccl' with train.device={want!r} resolving to the "
-                         "CPU: NCCL needs CUDA tensors; use parallel.backend='gloo' (or auto)")
-    return device
-
-
-def timeout_for_new_groups(seconds: float):
-    """Makes `seconds` the timeout of every process group created from now on in this process.
-
-    DeviceMesh creates its per-axis groups (new_group / split_group) without a timeout, so torch
-    gives them its backend default (30 min for gloo, 10 min for NCCL) instead of the world's:
-    `parallel.timeout_s` would reach only the world group, and a rank that stopped answering
-    would hold its dp, ep or tp peers far longer. torch has no public setting for that default;
-    these two module attributes are what `new_group` reads (torch 2.13,
-    distributed_c10d._get_default_timeout), the one private touch in this file."""
-    import datetime
-
-    import torch.distributed.distributed_c10d as c10d
-    timeout = datetime.timedelta(seconds=seconds)
-    c10d.default_pg_timeout = timeout
-    c10d.default_pg_nccl_timeout = timeout
-
-
-def init_process_group(parallel, device, world_size: int):
-    """Sets this process's CUDA device (always, also when a process group exists) and joins the
-    launcher's world when there is more than one rank, with `parallel.timeout_s` for every
-    collective (the world's and every group made after it) and `device_id` so NCCL barriers
-    and object collectives use the right GPU."""
-    import datetime
-
-    import torch
-    import torch.distributed as dist
-    if device.type == "cuda":
-        torch.cuda.set_device(device)
-    if world_size == 1:
-        return
-    timeout_for_new_groups(parallel.timeout_s)
-    if dist.is_initialized():
-        return
-    backend = parallel.backend if parallel.backend != "auto" else (
-        "nccl" if device.type == "cuda" else "gloo")
-    kwargs = {"timeout": datetime.timedelta(seconds=parallel.timeout_s)}
-    if device.type == "cuda":
-        kwargs["device_id"] = device
-    dist.init_process_group(backend, **kwargs)
-
-
-def end_process_group(clean: bool = True):
-    """Destroys the process group; after a clean run, only once every rank got here (a rank
-    tearing its communicators down while a peer still talks aborts that peer)."""
-    import torch.distributed as dist
-    if dist.is_initialized():
-        if clean:
-            dist.barrier()
-        dist.destroy_process_group()
-
-
 def _check_node_counts(cfg, nproc: int, flags: dict):
     """Validates the layout at every world size the job may run at (each node count of
     --nnodes N or MIN:MAX, times --nproc), before any process starts."""
-    from moepar.cluster import node_counts
-    from moepar.build import build_dims
     if "--nnodes" not in flags:
         build_dims(cfg, nproc)
         return
@@ -298,7 +197,6 @@ def _check_node_counts(cfg, nproc: int, flags: dict):
 def _check_memory(cfg, nproc: int, under_launcher: bool, flags: dict):
     """moepar/fits.py's check of the ranks this process starts (or is): all --nproc local ranks
     from the launcher (one node), else this rank."""
-    from moepar.fits import check_run_fits
     device = select_device(cfg.train.device, cfg.parallel.backend)
     if under_launcher:
         rank = int(os.environ.get("RANK", 0))
@@ -309,14 +207,11 @@ def _check_memory(cfg, nproc: int, under_launcher: bool, flags: dict):
 
 def main(argv: list[str]) -> int:
     die_with_launcher()                 # first: a worker must not outlive its launcher
-    from moepar.cluster import launcher_argv, pop_multinode
-    from moepar.config import load_config, to_toml
     under_launcher = "WORLD_SIZE" in os.environ
     try:
         flags, print_launch, argv = pop_multinode(argv)
         args, overrides = _parse(argv)
         cfg = load_config(args.config, overrides)
-        from moepar.build import build_dims
         if under_launcher:
             if flags or print_launch:
                 raise ValueError(f"{', '.join([*flags, *(['--print-launch'] * print_launch)])} "
@@ -330,8 +225,6 @@ def main(argv: list[str]) -> int:
         print(f"moepar: config error: {e}", file=sys.stderr)
         return EXIT_REFUSED
     if args.dry_run:           # pure arithmetic: no process, no lock, no run.dir
-        from moepar.cluster import node_counts
-        from moepar.dryrun import dry_run_text
         world = int(os.environ.get("WORLD_SIZE", 0))
         try:
             text = (dry_run_text(cfg, world) if under_launcher else
@@ -344,7 +237,6 @@ def main(argv: list[str]) -> int:
             print(text)
         return 0
     if print_launch:
-        import shlex
         worker = [a for i, a in enumerate(argv) if not a.startswith("--nproc=") and
                   a != "--nproc" and (i == 0 or argv[i - 1] != "--nproc")]
         env = [f"{FRESH_STORE_ENV[0]}={FRESH_STORE_ENV[1]}"] if restarts(launcher) else []
@@ -358,7 +250,6 @@ def main(argv: list[str]) -> int:
     if not under_launcher and (args.nproc > 1 or flags):
         lock = None
         if "--standalone" in launcher:   # one node: this process holds run.dir's lock
-            from moepar.rundir import RunDirError, RunLock
             try:
                 lock = RunLock(cfg.run.dir)  # held until the workers are done
             except RunDirError as e:
@@ -373,11 +264,8 @@ def main(argv: list[str]) -> int:
         finally:
             if lock is not None:
                 lock.release()
-    from moepar.rundir import RunDirError
-    from moepar.train import NonFiniteError, Preempted, Trainer
     rank = int(os.environ.get("RANK", 0))
     if rank == 0:
-        from moepar.progress import start_summary
         print(to_toml(cfg) if args.verbose else start_summary(cfg, args.config, overrides),
               flush=True)
     clean = True        # the errors below are raised by every rank at the same point

@@ -32,6 +32,11 @@ import os
 
 import numpy as np
 import torch
+import torch.distributed as dist
+
+from moepar.jsonfile import parse_json
+from moepar.parallel.grads import all_reduce_sum
+from moepar.plots import heatmap_rgb, ratio_to_mean
 
 __all__ = ["StepStats", "PendingMetrics", "MetricsWriter", "SUMMARY_KEYS", "imbalance_L", "moe_layer_numbers", "LOAD_FILE",
            "LOAD_FORMAT", "LOAD_VERSION"]
@@ -83,7 +88,6 @@ class StepStats:
         the loss lives on the last). Loads and drops are also summed over `slice_group` (tensor
         parallel ranks each route a slice of the sequence; their losses are already the whole
         micro-batch's). Every rank calls this, MoE layers or not, in the same order."""
-        from moepar.parallel.grads import all_reduce_sum
         parts = [self.tokens_LE, self.dropped_L, self.assignments_L, self.losses_3]
         extra = list(extra)
         packed = [t.to(torch.float64) for t in extra]
@@ -95,7 +99,6 @@ class StepStats:
         for target, value in zip(extra, packed):
             target.copy_(value)
         if group is not None:
-            import torch.distributed as dist
             self.num_micro_batches *= dist.get_world_size(group)
 
     def summary_6(self) -> torch.Tensor:
@@ -129,7 +132,6 @@ def imbalance_L(tokens_LE: torch.Tensor):
 
 def _step_of(line: str):
     """The step of a step line, or None for a torn or foreign line (a crash mid-write)."""
-    from moepar.jsonfile import parse_json
     try:
         step = parse_json(line, "a step line")["step"]
         return step if type(step) is int else None
@@ -321,7 +323,6 @@ class MetricsWriter:
             self.tb.add_scalar(f"dropped_fraction/layer_{layer}", drop, step)
         draw = self.image_every and (step == 1 or step % self.image_every == 0)
         if draw:
-            from moepar.inspect.plots import heatmap_rgb, ratio_to_mean
             self.tb.add_image("load/layer_x_expert", heatmap_rgb(
                 ratio_to_mean(tokens_LE), self.layers,
                 f"step {step}: tokens per expert / layer mean"), step, dataformats="HWC")

@@ -26,7 +26,7 @@ def count_text(n: float) -> str:
 
 
 def params_text(counts: dict) -> str:
-    """The start-up line of `moepar.plan.memory.param_count`'s numbers."""
+    """The start-up line of `moepar.layers.shapes.param_count`'s numbers."""
     return (f"parameters: {counts['total']:,} total ({count_text(counts['total'])}), "
             f"{counts['active']:,} active per token ({count_text(counts['active'])})")
 

@@ -32,15 +32,20 @@ import stat
 import sys
 import time
 
+from moepar.checkpoint import CheckpointError, checkpoint_step, complete_steps, discard, read_state
+from moepar.checkpoint.folders import plan_recovery
+from moepar.checkpoint.load import read_manifest
+from moepar.config import load_config, to_dict, to_toml
+from moepar.data.sources import check_same_dataset
 from moepar.jsonfile import FileError, Int, Map, Obj, Str, open_regular, parse_json, read_json
+from moepar.process import LAUNCHER_ENV
 
-__all__ = ["RunDirError", "RunLock", "LOCK_FILE", "LAUNCHER_ENV", "previous_run_files",
+__all__ = ["RunDirError", "RunLock", "LOCK_FILE", "previous_run_files",
            "describe_checkpoints", "plan_start", "write_config", "config_changes",
            "HARMLESS_CHANGES", "DIVERGED_FILE", "record_divergence", "refuse_replay",
            "DivergenceReplay", "StartPlan", "plan_run_start", "check_history"]
 
 LOCK_FILE = "run.lock"
-LAUNCHER_ENV = "MOEPAR_RUN_LOCK_PID"     # set by `moepar train --nproc`: the launcher holds it
 DIVERGED_FILE = "diverged.json"
 RUN_FILES = ("config.toml", "metrics.jsonl", "expert_load.jsonl", "tb", "checkpoints",
              DIVERGED_FILE)
@@ -191,7 +196,6 @@ def plan_start(run, ckpt_root: str, config_path: str | None = None,
     recovery is done (default: the committed ones). `current`: this run's config as a dict
     (run.resume="auto" compares it with the config.toml of a previous start that saved no
     checkpoint yet)."""
-    from moepar.checkpoint import checkpoint_step, complete_steps
     if steps is None:
         steps = {s: os.path.join(ckpt_root, f"step_{s}") for s in complete_steps(ckpt_root)}
     existing = sorted(steps)
@@ -201,8 +205,6 @@ def plan_start(run, ckpt_root: str, config_path: str | None = None,
     if run.resume_from:
         step = checkpoint_step(run.resume_from)
         if step is None:
-            from moepar.checkpoint import CheckpointError
-            from moepar.checkpoint.load import read_manifest
             try:
                 read_manifest(run.resume_from)
                 reason = "its manifest.json holds no step"
@@ -248,7 +250,6 @@ def _same_run_or_refuse(run_dir: str, current: dict | None, found: str):
     """run.resume="auto" found a previous start's files but no checkpoint (an elastic restart
     before the first save): starting over is that run's own restart when its config.toml is this
     config (up to what a resume may change); anything else is another run, refused."""
-    from moepar.config import load_config, to_dict
     saved_path = os.path.join(run_dir, "config.toml")
     try:
         if not os.path.isfile(saved_path):
@@ -294,7 +295,6 @@ def refuse_replay(run, resume_path: str | None, current: dict) -> bool:
     record is to go: a fresh start asked to overwrite replaces it (a resume keeps it, whatever
     run.overwrite deletes of later checkpoints: an elastic job restarted with the same flags
     must still not replay)."""
-    from moepar.checkpoint import checkpoint_step
     path = os.path.join(run.dir, DIVERGED_FILE)
     if not os.path.lexists(path):
         return False
@@ -323,9 +323,7 @@ def write_config(cfg, config_path: str | None = None) -> bool:
     """Writes <run.dir>/config.toml, the resolved config without one-shot flags (reusing the
     file must not resume from a stale path, delete checkpoints or accept changes), whole or not
     at all; never over the input config file itself (returns False then)."""
-    import dataclasses
 
-    from moepar.config import to_toml
     target = os.path.join(cfg.run.dir, "config.toml")
     if config_path and os.path.exists(target) and os.path.samefile(config_path, target):
         return False
@@ -430,7 +428,6 @@ class StartPlan:
 
     def apply(self, log) -> tuple[str | None, list]:
         """(the resume path once recovery is done, the background deletions started)."""
-        from moepar.checkpoint import discard
         for message in self.recovery.apply():
             log(f"checkpoints: {message}")
         if self.drop_divergence:
@@ -445,10 +442,6 @@ def plan_run_start(cfg, ckpt_root: str, config_path: str | None, fingerprint) ->
     dataset and config, and the per-step files that the resume trims. RunDirError (or
     DivergenceReplay, or CheckpointError for a damaged checkpoint) when the start is refused;
     nothing has changed then."""
-    from moepar.checkpoint import read_state
-    from moepar.checkpoint.folders import plan_recovery
-    from moepar.config import to_dict
-    from moepar.data import check_same_dataset
     recovery = plan_recovery(ckpt_root)
     current = to_dict(cfg)
     path, doomed = plan_start(cfg.run, ckpt_root, config_path, current, steps=recovery.steps)

@@ -34,15 +34,15 @@ from moepar.build import build_dims, build_engine
 from moepar.checkpoint import PendingSave, latest_checkpoint, load_checkpoint
 from moepar.cluster import check_shared_filesystem
 from moepar.config import RunConfig, to_dict
-from moepar.data import build_sampler
-from moepar.infer.evaluate import Validation
-from moepar.launch import init_process_group, select_device
+from moepar.data.sources import build_sampler
+from moepar.layers.shapes import param_count
 from moepar.loss_scale import LossScaler
 from moepar.metrics import MetricsWriter, PendingMetrics, StepStats
-from moepar.plan.memory import param_count
+from moepar.process import init_process_group, select_device
 from moepar.progress import Progress, params_text
 from moepar.rundir import (DivergenceReplay, RunDirError, RunLock, launcher_holds_lock,
                            plan_run_start, record_divergence, write_config)
+from moepar.validation import Validation
 
 __all__ = ["Trainer", "lr_at", "NonFiniteError", "ReplayRefused", "Preempted"]
 
@@ -94,7 +94,7 @@ class Trainer:
         self.sampler = build_sampler(cfg)
         self.validation = Validation(cfg, self.dims, self.rank) if tcfg.eval_every else None
         init_process_group(cfg.parallel, self.device, world_size)
-        if world_size > 1 and shared_run_dir:   # every rank writes checkpoints there
+        if shared_run_dir:   # every rank writes checkpoints there (a no-op alone)
             try:
                 check_shared_filesystem(cfg.run.dir, self.rank, world_size)
             except ValueError as e:
@@ -144,15 +144,6 @@ class Trainer:
     runner = property(lambda self: self.engine.runner)
     meshes = property(lambda self: self.layout.meshes)
 
-    def _from_rank0(self, obj):
-        """Rank 0's `obj` on every rank (a collective when there are several)."""
-        if self.dims.world_size > 1:
-            import torch.distributed as dist
-            box = [obj]
-            dist.broadcast_object_list(box, src=0)
-            obj = box[0]
-        return obj
-
     def _lock_run_dir(self) -> RunLock | None:
         """Rank 0 holds run.dir's lock for the run's life, unless the `moepar train --nproc`
         launcher that started this worker holds it; all ranks refuse together when it is taken."""
@@ -165,7 +156,7 @@ class Trainer:
                              f"locks ({lock.error}): nothing stops a second run from using it")
             except RunDirError as e:
                 error = str(e)
-        error = self._from_rank0(error)
+        error = self.layout.from_rank0(error)
         if error:
             raise RunDirError(error)
         return lock
@@ -198,15 +189,10 @@ class Trainer:
                 error = str(e)
                 kind = ("replay" if isinstance(e, DivergenceReplay) else
                         "refused" if isinstance(e, RunDirError) else "failed")
-        error, kind, path = self._from_rank0((error, kind, path))
+        error, kind, path = self.layout.from_rank0((error, kind, path))
         if error:
             raise {"replay": ReplayRefused, "refused": RunDirError}.get(kind, ValueError)(error)
         return path
-
-    def _barrier(self):
-        if self.dims.world_size > 1:
-            import torch.distributed as dist
-            dist.barrier()
 
     def _micro_batch(self, inputs_BS, targets_BS, stats: StepStats, last: bool = True):
         """One micro-batch of a whole model (pp = 1), sync armed when `last` (for tests)."""
@@ -314,10 +300,7 @@ class Trainer:
             flags[0] = (~torch.isfinite(params_norm)).double()
         if self.stop_requested:
             flags[1] = 1.0
-        if self.dims.world_size > 1:
-            import torch.distributed as dist
-            dist.all_reduce(flags, op=dist.ReduceOp.MAX)
-        return flags
+        return self.layout.all_reduce(flags, "max")
 
     def _diverged(self, what: str) -> str:
         saved = latest_checkpoint(self.ckpt_root)
@@ -378,9 +361,7 @@ class Trainer:
         if self.pending_save is None:
             return
         done = torch.tensor([float(self.pending_save.done())], device=self.device)
-        if self.dims.world_size > 1:
-            import torch.distributed as dist
-            dist.all_reduce(done, op=dist.ReduceOp.MIN)
+        self.layout.all_reduce(done, "min")
         if float(done) == 1.0:
             self.finish_save()
 

@@ -13,9 +13,15 @@ the tp group when ep == tp, and spans dp ranks when ep > tp (Megatron's parallel
 
 `ParallelDims` validates on construction, before any process group exists; `coords` is pure rank
 maths; `build_meshes` makes the two DeviceMeshes (every axis gets a real group, size 1 included).
+`Layout` (ParallelDims bound to a rank) also runs the few collectives over the whole world that the
+trainer needs (barrier, rank 0's object, MAX/MIN of flags); each is a no-op at world size 1, so
+the caller never branches on it.
 """
 
 from dataclasses import dataclass
+
+import torch.distributed as dist
+from torch.distributed.device_mesh import init_device_mesh
 
 __all__ = ["ParallelDims", "Coords", "Meshes", "Layout"]
 
@@ -103,8 +109,6 @@ class ParallelDims:
         own communicator threads (gloo: several per group), and a process that builds several
         trainers (tests, notebooks) would otherwise pile them up.
         """
-        import torch.distributed as dist
-        from torch.distributed.device_mesh import init_device_mesh
         key = (id(dist.distributed_c10d._get_default_group()), dist.get_rank(), device_type,
                self.pp, self.dp, self.tp, self.ep)
         if key not in _MESHES:
@@ -191,3 +195,49 @@ class Layout:
 
     def size(self, axis: str) -> int:
         return getattr(self.dims, axis)
+
+    # ---- the world's collectives: every rank calls them in the same order; alone, no-ops ----
+    # Objects travel pickled (the default group's own object collectives): a host sync each,
+    # for start-up, checkpoint and stop decisions, never per micro-batch.
+    @property
+    def world(self) -> int:
+        """The processes in these collectives: the world size, or 1 without meshes (one process,
+        also when it stands in for a rank of a larger layout)."""
+        return self.dims.world_size if self.meshes is not None else 1
+
+    def barrier(self):
+        """Waits for every rank."""
+        if self.world > 1:
+            dist.barrier()
+
+    def from_rank0(self, obj):
+        """Rank 0's `obj` on every rank (broadcast_object_list)."""
+        if self.world == 1:
+            return obj
+        box = [obj]
+        dist.broadcast_object_list(box, src=0)
+        return box[0]
+
+    def gather_to_first(self, obj) -> list | None:
+        """Every rank's `obj`, in rank order, on rank 0; None elsewhere (gather_object)."""
+        if self.world == 1:
+            return [obj]
+        out = [None] * self.world if self.rank == 0 else None
+        dist.gather_object(obj, out, dst=0)
+        return out
+
+    def everyone(self, obj) -> list:
+        """Every rank's `obj`, in rank order, on every rank (all_gather_object)."""
+        if self.world == 1:
+            return [obj]
+        out = [None] * self.world
+        dist.all_gather_object(out, obj)
+        return out
+
+    def all_reduce(self, tensor, op: str):
+        """`tensor` reduced in place over every rank by `op` ('max', 'min' or 'sum') and returned;
+        no host sync (the caller reads it with the step's own)."""
+        if self.world > 1:
+            dist.all_reduce(tensor, op={"max": dist.ReduceOp.MAX, "min": dist.ReduceOp.MIN,
+                                        "sum": dist.ReduceOp.SUM}[op])
+        return tensor

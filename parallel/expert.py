@@ -4,7 +4,7 @@ Talks on the `ep` group (through the dispatcher it installs).
 
 | parameter                        | lives on                          | gradient reduced over          |
 |----------------------------------|-----------------------------------|--------------------------------|
-| experts.w_in_EDH, w_out_EFD      | E/ep experts per EP rank          | edp (sum), then / dp           |
+| experts.w_in_EDU, w_out_EFD      | E/ep experts per EP rank          | edp (sum), then / dp           |
 | router, shared experts, the rest | every rank                        | dp (mean)                      |
 
 EP rank r holds global experts [r*E/ep, (r+1)*E/ep); `GroupedExperts.expert_offset` records the
@@ -34,7 +34,7 @@ def shard_experts(experts: GroupedExperts, ep: int, ep_rank: int):
     num_local = experts.num_experts // ep
     first = ep_rank * num_local
     with torch.no_grad():
-        experts.w_in_EDH = nn.Parameter(experts.w_in_EDH[first:first + num_local].clone())
+        experts.w_in_EDU = nn.Parameter(experts.w_in_EDU[first:first + num_local].clone())
         experts.w_out_EFD = nn.Parameter(experts.w_out_EFD[first:first + num_local].clone())
     experts.expert_offset, experts.num_global_experts = first, experts.num_experts
     experts.num_experts = num_local

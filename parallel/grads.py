@@ -20,6 +20,7 @@ from typing import NamedTuple
 
 import torch
 import torch.distributed as dist
+from torch.nn.utils import get_total_norm
 
 from moepar.layers.experts import GroupedExperts
 
@@ -128,7 +129,6 @@ def grad_norm(groups, meshes, device=None) -> torch.Tensor:
     name the axes they are sharded over (every shard counted); axes None: clipped, not counted.
     Every rank passes the same group structure, so the all-reduces (one per axis) line up.
     """
-    from torch.nn.utils import get_total_norm
     grads = [g for group, _ in groups for g in group]
     device = device or (grads[0].device if grads else torch.device("cpu"))
     zero = torch.zeros((), dtype=torch.float64, device=device)

@@ -28,10 +28,13 @@ from moepar.layers.router import TopKRouter
 
 from .dims import Layout
 from .grads import all_reduce_sum, clip_gradients, grad_norm, grad_norm_groups
+from .local_runner import LocalRunner
+from .pipeline_runner import PipelineRunner
 from .placement import LocalTensor, Placement, local_tensor
 from .precision import Masters, Precision
 from .schedules import Action
 from .tensor import reduce_sequence_parallel_grads, tp_norm_parameters
+from .zero import ShardedAdamW
 
 __all__ = ["ParallelModel"]
 
@@ -45,9 +48,9 @@ class ParallelModel:
     moe_layer_ids: list[int]          # the model's layer number of each MoE layer (all ranks)
     zero: int
     num_micro: int                    # micro-batches per step on this rank
-    sync: object                      # gradient sync: ddp.py, zero.py, or LocalSync
-    optimizer: object                 # over the masters (or ZeRO's flat shards of them)
-    runner: object                    # LocalRunner or PipelineRunner (None: a memory simulation)
+    sync: object                      # gradient sync: ddp.py's, zero.py's, or LocalSync
+    optimizer: torch.optim.Optimizer | ShardedAdamW   # over the masters (ZeRO: flat shards)
+    runner: LocalRunner | PipelineRunner | None       # None: a memory simulation
     masters: Masters
     precision: Precision
     compiled: object = None           # compile.CompiledRegions (train.compile), or None

@@ -52,7 +52,8 @@ from torch import nn
 
 from moepar.layers.experts import FeedForward, GroupedExperts
 from moepar.layers.mla import MLA
-from moepar.layers.model import Attention, Transformer
+from moepar.layers.attention import Attention
+from moepar.layers.model import Transformer
 
 from .comm import all_gather_rows, group_size, reduce_scatter_rows, to_wire
 from .grads import Rows, all_reduce_sum, rows_of

@@ -210,7 +210,7 @@ class FullyShardedSync:
         dp_mesh, edp_mesh = meshes.dense["dp"], meshes.expert["edp"]
 
         def placement(mesh):
-            # Shard the first dimension the group divides (experts: [E_local, D, H] with
+            # Shard the first dimension the group divides (experts: [E_local, D, U] with
             # E_local < edp would otherwise be padded), else dimension 0.
             size = mesh.size()
             return lambda p: Shard(next((d for d in range(p.dim()) if p.shape[d] % size == 0), 0))

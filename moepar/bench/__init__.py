@@ -19,40 +19,15 @@ import argparse
 import json
 import os
 import sys
-import time
+
+from moepar.bench import (checkpoint, ep, hf_baseline, memory, moe_layer, pipeline, simulate,
+                          traffic, train)
+from moepar.bench.ticker import Ticker
+from moepar.config import load_config
+from moepar.launch import launch
+from moepar.plan.hardware import PRESETS
 
 __all__ = ["main", "build_parser", "Ticker"]
-
-
-class Ticker:
-    """Progress of a benchmark's repeats on stderr ('moepar bench train: repeat 3/10, 12 s'), from
-    rank 0, at most once every `every_s` seconds: a benchmark done sooner prints nothing. Call it
-    after each repeat, outside the timed region. `say` prints a phase at once."""
-
-    def __init__(self, what: str, warmup: int, repeats: int, every_s: float = 2.0,
-                 clock=time.monotonic, out=None):
-        self.what, self.warmup, self.repeats, self.every_s = what, warmup, repeats, every_s
-        self.clock, self.out = clock, out
-        self.start = self.last = clock()
-        self.quiet = int(os.environ.get("RANK", 0)) != 0
-
-    def label(self, done: int) -> str:
-        """'warm-up 1/2' or 'repeat 3/10' after `done` runs in all."""
-        if done <= self.warmup:
-            return f"warm-up {done}/{self.warmup}"
-        return f"repeat {done - self.warmup}/{self.repeats}"
-
-    def say(self, text: str):
-        if not self.quiet:
-            print(f"moepar bench {self.what}: {text}, {self.clock() - self.start:.0f} s",
-                  file=self.out or sys.stderr, flush=True)
-
-    def __call__(self, done: int):
-        now = self.clock()
-        if now - self.last >= self.every_s or (done == self.warmup + self.repeats
-                                                and self.last != self.start):
-            self.last = now
-            self.say(self.label(done))
 
 
 def _layer_options(p):
@@ -162,7 +137,6 @@ def build_parser() -> argparse.ArgumentParser:
                                    "time for a GPU. Config overrides as `moepar train`'s "
                                    "(--section.key=value) follow.")
     p.add_argument("config", help="the run config: a TOML file or a packaged example's name")
-    from moepar.plan.hardware import PRESETS
     p.add_argument("--gpu", choices=list(PRESETS), default="h200-141g",
                    help="the planner's GPU preset for the roofline")
     p.add_argument("--json", metavar="PATH", default=None, help="also write the figures as JSON")
@@ -178,7 +152,6 @@ def _launched() -> bool:
 
 
 def _relaunch(nproc: int, argv: list[str]) -> int:
-    from moepar.launch import launch
     return launch(nproc, ["bench", *argv])
 
 
@@ -192,7 +165,6 @@ def main(argv: list[str]) -> int:
     if overrides and args.what != "train":
         parser.error(f"unrecognized arguments: {' '.join(overrides)}")
     if args.what == "pipeline":
-        from moepar.bench import pipeline
         if not _launched():
             return _relaunch(args.pp, argv)
         result = pipeline.worker_main(args)
@@ -200,7 +172,6 @@ def main(argv: list[str]) -> int:
             print(json.dumps(result), flush=True) if args.json else pipeline.print_result(result)
         return 0
     if args.what == "checkpoint":
-        from moepar.bench import checkpoint
         if args.nproc > 1 and not _launched():
             return _relaunch(args.nproc, argv)
         result = checkpoint.worker_main(args)
@@ -208,68 +179,60 @@ def main(argv: list[str]) -> int:
             print(json.dumps(result), flush=True) if args.json else checkpoint.print_result(result)
         return 0
     if args.what == "train":
-        from moepar.bench.train import bench_train, print_result
-        from moepar.config import load_config
         try:
             cfg = load_config(args.config, [*overrides, f"--train.device={args.device}"])
             if args.against_hf:
-                from moepar.bench.hf_baseline import hf_mixtral
-                hf_mixtral(cfg)          # refuses a model Mixtral cannot run, before any step
+                hf_baseline.hf_mixtral(cfg)   # refuses a model Mixtral cannot run, before any step
         except ValueError as e:
             print(f"moepar bench train: {e}", file=sys.stderr)
             return 2
         if args.against_hf:
-            from moepar.bench.hf_baseline import bench_against_hf, print_comparison
-            result = bench_against_hf(cfg, args.steps, args.warmup, args.hf_experts)
-            print(json.dumps(result)) if args.json else print_comparison(result)
+            result = hf_baseline.bench_against_hf(cfg, args.steps, args.warmup, args.hf_experts)
+            print(json.dumps(result)) if args.json else hf_baseline.print_comparison(result)
             return 0
-        result = bench_train(cfg, args.steps, args.warmup, args.peak_tflops)
-        print(json.dumps(result)) if args.json else print_result(result)
+        result = train.bench_train(cfg, args.steps, args.warmup, args.peak_tflops)
+        print(json.dumps(result)) if args.json else train.print_result(result)
         return 0
     if args.what == "memory" and args.simulate:
         return _simulate(parser, args)
     if args.what == "memory":
-        from moepar.bench import memory
         if args.dp * args.tp > 1 and not _launched():
             return _relaunch(args.dp * args.tp, argv)
         result = memory.worker_main(args)
         if _rank0():
             print(json.dumps(result), flush=True) if args.json else memory.print_result(result)
         return 0
-    from moepar.bench.moe_layer import DTYPES, bench_moe_layer, print_layer
     if args.what == "dispatch" and args.ep < 2:
         parser.error("dispatch needs --ep >= 2")
     if args.ep > 1 or args.what == "dispatch":
-        from moepar.bench import ep
         if args.experts % args.ep:
             parser.error(f"--experts {args.experts} must be divisible by --ep {args.ep}")
         if not _launched():
             return _relaunch(args.ep, argv)
-        result = ep.worker_main(args, DTYPES[args.dtype])
+        result = ep.worker_main(args, moe_layer.DTYPES[args.dtype])
         if _rank0():
             if args.json:
                 print(json.dumps(result), flush=True)
             elif args.what == "dispatch":
                 ep.print_dispatch(result)
             else:
-                print_layer(result, args)
+                moe_layer.print_layer(result, args)
         return 0
-    result = bench_moe_layer(args.tokens, args.dim, args.ffn_dim, args.experts, args.top_k,
-                             args.dtype, args.repeats, args.warmup, device=args.device)
-    print(json.dumps(result)) if args.json else print_layer(result, args)
+    result = moe_layer.bench_moe_layer(args.tokens, args.dim, args.ffn_dim, args.experts,
+                                       args.top_k, args.dtype, args.repeats, args.warmup,
+                                       device=args.device)
+    print(json.dumps(result)) if args.json else moe_layer.print_layer(result, args)
     return 0
 
 
 def _traffic(args, overrides: list[str]) -> int:
-    from moepar.bench.traffic import bench_traffic, print_result
-    from moepar.config import load_config
     try:
         cfg = load_config(args.config, overrides)
     except ValueError as e:
         print(f"moepar: {e}", file=sys.stderr)
         return 2
-    result = bench_traffic(cfg, args.gpu)
-    print_result(result)
+    result = traffic.bench_traffic(cfg, args.gpu)
+    traffic.print_result(result)
     if args.json:
         with open(args.json, "w", encoding="utf-8") as f:
             json.dump(result, f, indent=1)
@@ -277,16 +240,14 @@ def _traffic(args, overrides: list[str]) -> int:
 
 
 def _simulate(parser, args) -> int:
-    from moepar.bench.simulate import print_result, simulate
-    from moepar.config import load_config
     if not args.config or args.world < 1:
         parser.error("--simulate needs --config FILE and --world N")
     try:
         cfg = load_config(args.config)
         ranks = [int(r) for r in args.ranks.split(",") if r.strip()] or None
-        result = simulate(cfg, args.world, ranks)
+        result = simulate.simulate(cfg, args.world, ranks)
     except ValueError as e:
         print(f"moepar: {e}", file=sys.stderr)
         return 2
-    print(json.dumps(result)) if args.json else print_result(result)
+    print(json.dumps(result)) if args.json else simulate.print_result(result)
     return 0

@@ -15,6 +15,7 @@ more are mapped and unmapped directly while this runs (glibc mallopt).
 """
 
 import ctypes
+import dataclasses
 import gc
 import math
 import os
@@ -23,7 +24,14 @@ import sys
 import tempfile
 import time
 
-from moepar.bench import Ticker
+import torch
+import torch.distributed as dist
+
+from moepar.bench.ticker import Ticker
+from moepar.config import load_config
+from moepar.layers import Transformer
+from moepar.process import end_process_group
+from moepar.train import Trainer
 
 __all__ = ["worker_main", "print_result", "model_overrides"]
 
@@ -65,10 +73,7 @@ def model_overrides(size_gb: float, ep: int) -> list[str]:
 def _warm_up(cfg):
     """Runs the code paths a build uses once on a tiny model, so their one-time imports (torch's
     meta-device registrations alone cost ~75 MB of resident code) are not counted as data."""
-    import dataclasses
 
-    import torch
-    from moepar.layers import Transformer
     tiny = dataclasses.replace(cfg.model, num_layers=1, dim=8, num_heads=1, num_kv_heads=1,
                                ffn_dim=8, moe_ffn_dim=8, num_experts=2, top_k=1)
     with torch.device("meta"):
@@ -81,10 +86,6 @@ def _tensor_bytes(tensors) -> int:
 
 
 def worker_main(args) -> dict:
-    import torch
-    import torch.distributed as dist
-    from moepar.config import load_config
-    from moepar.train import Trainer
     libc = ctypes.CDLL("libc.so.6")
     M_MMAP_THRESHOLD, M_MMAP_MAX = -3, -4      # undo the CLI's allocator tuning here
     libc.mallopt(M_MMAP_MAX, 1 << 20)
@@ -158,7 +159,6 @@ def worker_main(args) -> dict:
         return {"world": world, "ep": args.ep or world, "zero": args.zero,
                 "model_bytes": full, "ranks": ranks}
     finally:
-        from moepar.launch import end_process_group
         end_process_group(clean=sys.exc_info()[0] is None)   # every rank is done writing
         if tmp is not None and int(os.environ.get("RANK", 0)) == 0:
             shutil.rmtree(tmp, ignore_errors=True)

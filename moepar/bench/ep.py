@@ -22,13 +22,14 @@ import time
 import torch
 import torch.distributed as dist
 
-from moepar.bench import Ticker
 from moepar.bench.moe_layer import PlainSwiGLU, paired_ratio
+from moepar.bench.ticker import Ticker
 from moepar.layers import FeedForward, MoE
-from moepar.parallel.dims import ParallelDims
 from moepar.parallel.alltoall import AllToAllDispatcher
 from moepar.parallel.comm import A2ATimer
+from moepar.parallel.dims import ParallelDims
 from moepar.parallel.expert import apply_ep
+from moepar.process import end_process_group
 
 __all__ = ["worker_main", "print_dispatch"]
 
@@ -221,7 +222,6 @@ def worker_main(args, dtype) -> dict:
             return bench_dispatch(args, dtype)
         return bench_moe_layer_ep(args, dtype)
     finally:
-        from moepar.launch import end_process_group
         end_process_group(clean=sys.exc_info()[0] is None)
 
 

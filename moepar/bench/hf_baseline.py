@@ -22,8 +22,10 @@ import time
 
 import torch
 
-from moepar.bench import Ticker
-from moepar.bench.train import _sync, flops_per_token
+from moepar.bench.ticker import Ticker
+from moepar.bench.train import flops_per_token, sync_device
+from moepar.hf.arch import ARCHS, arch_problems, hf_config_dict
+from moepar.train import Trainer
 
 __all__ = ["bench_against_hf", "print_comparison", "hf_mixtral"]
 
@@ -32,7 +34,6 @@ def hf_mixtral(cfg, experts_implementation: str | None = None):
     """transformers' MixtralForCausalLM with cfg.model's shapes (float32, freshly initialized);
     raises ValueError naming what Mixtral cannot express."""
     from transformers import MixtralConfig, MixtralForCausalLM
-    from moepar.hf.arch import ARCHS, arch_problems, hf_config_dict
     problems = arch_problems(ARCHS["mixtral"], cfg.model, cfg.router)
     if cfg.router.capacity_factor is not None:
         problems.append(f"this model has router.capacity_factor={cfg.router.capacity_factor}; "
@@ -95,7 +96,6 @@ class _PlainLoop:
 def bench_against_hf(cfg, steps: int = 10, warmup: int = 2,
                      experts_implementation: str | None = None) -> dict:
     """Median step time of moepar's Trainer and of the plain loop, alternating; their ratio."""
-    from moepar.train import Trainer
     with tempfile.TemporaryDirectory() as tmp:
         cfg.run.dir, cfg.run.tensorboard, cfg.run.log_every = tmp, False, 0
         cfg.train.steps = warmup + steps
@@ -107,10 +107,10 @@ def bench_against_hf(cfg, steps: int = 10, warmup: int = 2,
         tick = Ticker("train --against-hf", warmup, steps)
         for i in range(warmup + steps):
             for name, run in runs.items():
-                _sync(device)
+                sync_device(device)
                 start = time.perf_counter()
                 run()
-                _sync(device)
+                sync_device(device)
                 if i >= warmup:
                     times[name].append(time.perf_counter() - start)
             tick(i + 1)

@@ -30,7 +30,13 @@ import tempfile
 import torch
 import torch.distributed as dist
 
+from moepar.config import load_config
+from moepar.layers.attention import Attention
+from moepar.layers.mla import MLA
+from moepar.metrics import StepStats
 from moepar.parallel.grads import split_parameters
+from moepar.process import end_process_group
+from moepar.train import Trainer
 
 __all__ = ["measure", "formula", "worker_main"]
 
@@ -53,8 +59,6 @@ def _storage_bytes(tensors) -> int:
 
 def attention_and_embedding_bytes(model) -> dict:
     """Parameter bytes this rank holds for attention blocks and for the embedding + LM head."""
-    from moepar.layers.mla import MLA
-    from moepar.layers.model import Attention
     attn = [p for m in model.modules() if isinstance(m, (Attention, MLA)) for p in m.parameters()]
     embed = [p for name in ("embed", "head") if getattr(model, name, None) is not None
              for p in getattr(model, name).parameters()]
@@ -63,7 +67,6 @@ def attention_and_embedding_bytes(model) -> dict:
 
 def measure(trainer) -> dict:
     """Bytes this rank holds, with gradients as the optimizer step sees them (after the sync)."""
-    from moepar.metrics import StepStats
     model, optimizer = trainer.model, trainer.optimizer
     stats = StepStats(len(trainer.engine.moe_layer_ids), trainer.cfg.model.num_experts,
                       trainer.device)
@@ -99,8 +102,6 @@ def formula(trainer) -> dict:
 
 def worker_main(args) -> dict:
     """Runs on every rank; returns {'ranks': [per-rank measured/formula], ...} (rank 0 prints)."""
-    from moepar.config import load_config
-    from moepar.train import Trainer
     try:
         with tempfile.TemporaryDirectory() as tmp:
             overrides = [f"--model.dim={args.dim}", f"--model.num_layers={args.layers}",
@@ -130,7 +131,6 @@ def worker_main(args) -> dict:
                 "dense_params": first.get("dense_params"),
                 "expert_params_per_rank": first.get("expert_params_per_rank"), "ranks": ranks}
     finally:
-        from moepar.launch import end_process_group
         end_process_group(clean=sys.exc_info()[0] is None)
 
 

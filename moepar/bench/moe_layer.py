@@ -22,7 +22,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from moepar.bench import Ticker
+from moepar.bench.ticker import Ticker
+from moepar.bench.train import PEAK_TFLOPS
 from moepar.layers import FeedForward, MoE
 
 __all__ = ["bench_moe_layer", "print_layer", "DTYPES", "PlainSwiGLU"]
@@ -37,7 +38,7 @@ def _naive_moe(moe: MoE, x_TD):
     experts_TK = routing.expert_N.view(-1, top_k)
     weights_TK = routing.weight_N.view(-1, top_k)
     y_TD = torch.zeros_like(x_TD)
-    w_in, w_out = moe.experts.w_in_EDH, moe.experts.w_out_EFD
+    w_in, w_out = moe.experts.w_in_EDU, moe.experts.w_out_EFD
     for e in range(num_experts):
         token_idx, slot = torch.where(experts_TK == e)
         if token_idx.numel() == 0:
@@ -100,7 +101,6 @@ def bench_moe_layer(tokens=4096, dim=512, ffn_dim=1024, experts=8, top_k=2, dtyp
     flops = 18.0 * tokens * top_k * dim * ffn_dim
     peak = None
     if device.type == "cuda":
-        from moepar.bench.train import PEAK_TFLOPS
         name = torch.cuda.get_device_name(device)
         peak = next((v for k, v in PEAK_TFLOPS.items() if k in name), None)
     tflops = {name: flops / (ms / 1000) / 1e12 for name, ms in med.items() if name != "naive"}

@@ -18,7 +18,11 @@ import weakref
 import torch
 import torch.distributed as dist
 
-from moepar.bench import Ticker
+from moepar.bench.ticker import Ticker
+from moepar.config import load_config
+from moepar.parallel.schedules import ideal_bubble, measured_bubble
+from moepar.process import end_process_group
+from moepar.train import Trainer
 
 __all__ = ["worker_main", "print_result", "SavedActivationMeter"]
 
@@ -70,9 +74,6 @@ class SavedActivationMeter:
 
 def worker_main(args) -> dict:
     """Runs on every rank; returns every pipeline rank's figures (rank 0 prints)."""
-    from moepar.config import load_config
-    from moepar.parallel.schedules import ideal_bubble, measured_bubble
-    from moepar.train import Trainer
     try:
         with tempfile.TemporaryDirectory() as tmp:
             virtual = args.virtual if args.schedule == "interleaved_1f1b" else 1
@@ -112,7 +113,6 @@ def worker_main(args) -> dict:
                 "ideal_bubble": ideal_bubble(args.pp, args.microbatches, virtual),
                 "ranks": ranks}
     finally:
-        from moepar.launch import end_process_group
         end_process_group(clean=sys.exc_info()[0] is None)
 
 

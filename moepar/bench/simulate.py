@@ -14,6 +14,11 @@ import math
 
 import torch
 
+from moepar.build import build_dims, build_engine
+from moepar.parallel.placement import local_tensor
+
+from .fakeworld import fake_process_group
+
 __all__ = ["simulate", "default_ranks", "print_result"]
 
 
@@ -26,7 +31,6 @@ def default_ranks(dims) -> list[int]:
 def _rank_bytes(engine, zero: int) -> dict:
     """Bytes of this rank's masters (what the optimizer steps), gradients and AdamW state, and
     of the compute copies bf16 training keeps beside the masters (0 otherwise)."""
-    from moepar.parallel.placement import local_tensor
     params = list(engine.model.parameters())
     masters = engine.masters.masters(params)
     elem = masters[0].element_size()
@@ -46,8 +50,6 @@ def _rank_bytes(engine, zero: int) -> dict:
 
 def simulate(cfg, world: int, ranks: list[int] | None = None) -> dict:
     """{'ranks': [per sampled rank: coords and bytes], ...} for `cfg` on a world of `world`."""
-    from moepar.build import build_dims, build_engine
-    from .fakeworld import fake_process_group
     dims = build_dims(cfg, world)
     ranks = default_ranks(dims) if ranks is None else ranks
     out = []

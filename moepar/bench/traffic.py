@@ -34,6 +34,11 @@ import torch
 from torch.autograd.graph import register_multi_grad_hook
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from moepar.bench.train import flops_per_token
+from moepar.layers.model import Block, RMSNorm
+from moepar.plan.hardware import resolve_gpu
+from moepar.train import Trainer
+
 __all__ = ["Counter", "Scope", "bench_traffic", "print_result", "PARTS"]
 
 PARTS = ("moe_layers", "dense_layers", "outside", "optimizer")
@@ -167,7 +172,6 @@ class Scope:
     forward inside the backward nests cleanly."""
 
     def __init__(self, model):
-        from moepar.layers.model import Block, RMSNorm
         self.phase, self.depth, self.handles = "outside", dict.fromkeys(("moe", "dense", "norm"), 0), []
         for m in model.modules():
             kind = (("moe" if m.is_moe else "dense") if isinstance(m, Block)
@@ -229,9 +233,6 @@ def trace_step(trainer) -> tuple[Counter, Scope]:
 
 
 def bench_traffic(cfg, gpu: str = "h200-141g", warmup: int = 1) -> dict:
-    from moepar.bench.train import flops_per_token
-    from moepar.plan.hardware import resolve_gpu
-    from moepar.train import Trainer
     hw = resolve_gpu(gpu)
     with tempfile.TemporaryDirectory() as tmp:
         cfg.run.dir, cfg.run.tensorboard, cfg.run.log_every = tmp, False, 0

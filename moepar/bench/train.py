@@ -16,7 +16,9 @@ import time
 
 import torch
 
-from moepar.bench import Ticker
+from moepar.bench.ticker import Ticker
+from moepar.layers.shapes import param_count
+from moepar.train import Trainer
 
 __all__ = ["bench_train", "flops_per_token", "print_result", "PEAK_TFLOPS"]
 
@@ -26,7 +28,6 @@ PEAK_TFLOPS = {"H200": 989.0, "H100": 989.0, "A100": 312.0, "B200": 2250.0}
 
 def flops_per_token(cfg) -> float:
     """Training FLOPs per token (forward + backward) of cfg.model at cfg.train.seq_len."""
-    from moepar.plan.memory import param_count
     model = cfg.model
     matmul = param_count(model)["active"] - model.vocab_size * model.dim   # no embedding lookup
     if model.tie_embeddings:
@@ -39,13 +40,12 @@ def flops_per_token(cfg) -> float:
     return 6.0 * matmul + 12.0 * model.num_layers * cfg.train.seq_len * width
 
 
-def _sync(device):
+def sync_device(device):
     if device.type == "cuda":
         torch.cuda.synchronize(device)
 
 
 def bench_train(cfg, steps: int = 10, warmup: int = 2, peak_tflops: float | None = None) -> dict:
-    from moepar.train import Trainer
     with tempfile.TemporaryDirectory() as tmp:
         cfg.run.dir, cfg.run.tensorboard, cfg.run.log_every = tmp, False, 0
         cfg.train.steps = warmup + steps
@@ -54,10 +54,10 @@ def bench_train(cfg, steps: int = 10, warmup: int = 2, peak_tflops: float | None
         times = []
         tick = Ticker("train", warmup, steps)
         for step in range(warmup + steps):
-            _sync(device)
+            sync_device(device)
             start = time.perf_counter()
             record = trainer.train_step()
-            _sync(device)
+            sync_device(device)
             if step >= warmup:
                 times.append(time.perf_counter() - start)
             tick(step + 1)

@@ -21,7 +21,8 @@ import shutil
 import threading
 import time
 
-from moepar.checkpoint.base import INDEX, MANIFEST, STATE
+from moepar.checkpoint.base import CheckpointError, INDEX, MANIFEST, STATE
+from moepar.checkpoint.load import manifest_files, read_manifest
 
 MARKER = ".moepar-folder"
 _STEP_DIR = re.compile(r"^step_(\d+)$")
@@ -52,7 +53,6 @@ def written_by_moepar(path: str) -> bool:
         return False
     if MARKER in names or all(_OWN_FILE.match(n) for n in names):
         return True
-    from moepar.checkpoint.load import manifest_files
     listed = manifest_files(path)
     return listed is not None and set(names) <= set(listed) | {MANIFEST}
 
@@ -158,7 +158,6 @@ def _free_name(path: str) -> str:
 
 def _refuse_foreign(path: str):
     if not written_by_moepar(path):
-        from moepar.checkpoint.base import CheckpointError
         raise CheckpointError(f"{path} was not written by moepar (no {MARKER}, and files that "
                               "are not a checkpoint's): it is left alone; move it away yourself")
 
@@ -218,7 +217,6 @@ def discard(path: str) -> threading.Thread:
 
 def checkpoint_step(path: str) -> int | None:
     """The step a committed checkpoint directory holds (from its manifest), or None."""
-    from moepar.checkpoint.load import read_manifest
     try:
         step = read_manifest(path)["step"]
     except (ValueError, KeyError):

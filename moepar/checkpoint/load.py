@@ -9,10 +9,11 @@ import re
 
 import torch
 
-from moepar.checkpoint.base import (INDEX, MANIFEST, STATE, CheckpointError, _everyone,
-                                    _volume_ok, _world)
-from moepar.jsonfile import (ANY, FileError, Int, List, Map, Num, Obj, OneOf, Opt, Str,
-                             read_json)
+from moepar.checkpoint.base import INDEX, MANIFEST, STATE, CheckpointError, volume_ok
+from moepar.jsonfile import ANY, FileError, Int, List, Map, Num, Obj, OneOf, Opt, Str, read_json
+from moepar.layers.init import canonical_tensors
+from moepar.parallel.dims import Layout, ParallelDims
+from moepar.parallel.placement import Placement
 from moepar.parallel.shards import local_view
 from moepar.tensorfile import (DTYPES, TensorFileError, box_bytes, check_blocks, read_box,
                                read_header)
@@ -132,7 +133,7 @@ class _Checkpoint:
             raise CheckpointError(f"checkpoint {self.path!r}: {INDEX} entry {name!r} is "
                                   "malformed") from None
         ranks_fit = all(len(p["offsets"]) == len(p["sizes"]) == len(shape) for p in pieces)
-        if not ranks_fit or not _volume_ok(pieces, shape, check_overlap=len(pieces) <= 256):
+        if not ranks_fit or not volume_ok(pieces, shape, check_overlap=len(pieces) <= 256):
             raise CheckpointError(f"checkpoint {self.path!r}: {INDEX} entry {name!r} has pieces "
                                   f"that do not tile its shape {shape!r} (malformed or damaged)")
         return shape, pieces
@@ -219,9 +220,6 @@ def _apply_reads(ckpt: _Checkpoint, reads):
 
 def _local_engine(model):
     """Where a whole (unsharded) Transformer's tensors sit, for loading into it."""
-    from moepar.layers.init import canonical_tensors
-    from moepar.parallel.dims import Layout, ParallelDims
-    from moepar.parallel.placement import Placement
     device = next(model.parameters()).device
     return Placement(model, Layout(ParallelDims(1), 0, device, None), canonical_tensors(model))
 
@@ -264,15 +262,15 @@ def load_checkpoint(path: str, target, optimizer: bool = False, restore_rng: boo
         # The small reads happen now too: nothing changes until every rank has read everything.
         steps = [(tensor, _read_scalar(ckpt, name)) for tensor, name in steps.values()]
         rng_states = None
-        if restore_rng and ckpt.world_size == _world(layout):
+        if restore_rng and ckpt.world_size == layout.world:
             rng_states = _read_rng(ckpt, f"rng-r{layout.rank:05d}.safetensors")
         elif restore_rng and log is not None and layout.rank == 0:
             log(f"note: {path} was written by {ckpt.world_size} rank(s), this run has "
-                f"{_world(layout)}: the random number generators are not restored (the data "
+                f"{layout.world}: the random number generators are not restored (the data "
                 "order and the initial values do not depend on them)")
     except CheckpointError as e:
         error = str(e)
-    errors = [e for e in _everyone(layout, error) if e]
+    errors = [e for e in layout.everyone(error) if e]
     if errors:
         raise CheckpointError(errors[0])
     _apply_reads(ckpt, model_reads + optim_reads)

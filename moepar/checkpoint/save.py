@@ -11,8 +11,7 @@ import time
 
 import torch
 
-from moepar.checkpoint.base import (FORMAT, INDEX, MANIFEST, STATE, CheckpointError, _barrier,
-                                    _broadcast, _gather_to_first, _volume_ok, _world)
+from moepar.checkpoint.base import FORMAT, INDEX, MANIFEST, STATE, CheckpointError, volume_ok
 from moepar.checkpoint.folders import MARKER, complete_steps, discard, mark, set_aside
 from moepar.parallel.shards import local_view
 from moepar.tensorfile import data_offsets, dtype_name, file_digest, write_tensors
@@ -91,7 +90,7 @@ class PendingSave:
                 set_aside(self.tmp)
             os.makedirs(self.tmp)
             mark(self.tmp)                   # ours: recovery may commit or set it aside
-        _barrier(layout)
+        layout.barrier()
         self.files, self.written = self._plan(background)
         self.error, self.thread = None, None
         self.discarding = []     # deletions this save started (pruning), for the caller to join
@@ -162,7 +161,7 @@ class PendingSave:
         if self.thread is not None:
             self.thread.join()
         layout, step = self.engine.layout, self.step
-        everyone = _gather_to_first(layout, dict(self.written, error=self.error))
+        everyone = layout.gather_to_first(dict(self.written, error=self.error))
         error = None
         if layout.rank == 0:
             error = next((part["error"] for part in everyone if part["error"]), None)
@@ -179,14 +178,14 @@ class PendingSave:
                     with open(os.path.join(self.tmp, name), "w") as f:
                         json.dump(obj, f, indent=1, sort_keys=True)
                 try:
-                    commit(self.tmp, self.final, step, _world(layout), known_hashes=hashes)
+                    commit(self.tmp, self.final, step, layout.world, known_hashes=hashes)
                     self._prune()
                 except (OSError, CheckpointError) as e:
                     error = f"checkpoint step {step} could not be committed: {e}"
             if error and os.path.isdir(self.tmp):
                 # this save's own folder: nothing of it is committed
                 self.discarding.append(discard(self.tmp))
-        error = _broadcast(layout, error)
+        error = layout.from_rank0(error)
         if error:
             raise CheckpointError(error)
         return self.final
@@ -214,12 +213,12 @@ def _check_coverage(index: dict, canonical: dict, step: int) -> str | None:
     if missing:   # a rank wrote less than its share: never commit an incomplete checkpoint
         return f"checkpoint step {step} would lack {len(missing)} tensor(s), e.g. {missing[:4]}"
     bad = [n for n, pieces in index["model"].items()
-           if n not in canonical or not _volume_ok(pieces, canonical[n].shape)]
+           if n not in canonical or not volume_ok(pieces, canonical[n].shape)]
     if index["optimizer"]:
         for kind in ("exp_avg", "exp_avg_sq"):
             for n, t in canonical.items():
                 pieces = index["optimizer"].get(f"{kind}/{n}")
-                if t.trainable and (pieces is None or not _volume_ok(pieces, t.shape)):
+                if t.trainable and (pieces is None or not volume_ok(pieces, t.shape)):
                     bad.append(f"{kind}/{n}")
     if bad:
         return (f"checkpoint step {step}: the pieces written do not tile {len(bad)} tensor(s) "

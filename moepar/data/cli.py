@@ -10,6 +10,9 @@ import argparse
 import os
 import sys
 
+from moepar.data.prepare import PrepareOptions, prepare
+from moepar.data.split import default_val_tokens
+
 __all__ = ["main", "build_parser"]
 
 
@@ -29,7 +32,6 @@ def build_parser() -> argparse.ArgumentParser:
         description="Tokenize documents into uint16/uint32 .npy shards with an index.json, and "
                     "hold out whole documents as a validation split. Train on the result with "
                     "--data.source=tokens --data.path=DIR. Nothing is left at --out on error.")
-    from moepar.data.split import default_val_tokens
     which = p.add_mutually_exclusive_group(required=True)
     which.add_argument("--tokenizer", metavar="TOKENIZER",
                        help="a Hugging Face tokenizer.json, a model folder holding one, or 'bytes' "
@@ -66,7 +68,6 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str]) -> int:
-    from moepar.data.prepare import PrepareOptions, prepare
     args = build_parser().parse_args(argv)
     opts = PrepareOptions(
         tokenizer=args.tokenizer, inputs=args.inputs, out=args.out, text_field=args.text_field,

@@ -30,6 +30,8 @@ import zlib
 
 import numpy as np
 
+from moepar import __version__
+from moepar.data.bpe import train_bpe
 from moepar.data.folder import FORMAT, INDEX, VERSION, is_prepared
 from moepar.data.split import Reserve, doc_hash, raised_threshold, seed_key
 from moepar.data.tokenizer import TokenizerSpec, load_encoder, resolve_tokenizer
@@ -373,7 +375,6 @@ def prepare(opts: PrepareOptions, stderr=None) -> dict:
 def _tokenizer(opts: PrepareOptions, threshold: float, work: str, stderr) -> TokenizerSpec:
     if not opts.train_tokenizer:
         return resolve_tokenizer(opts.tokenizer, opts.eos_token)
-    from moepar.data.bpe import train_bpe
     job = BlockTokenizer(None, opts, threshold)
     documents = (doc for block in _read_blocks(opts.inputs, opts) for doc in job.documents(block)
                  if doc.strip() and doc_hash(doc, job.key) >= threshold)
@@ -445,7 +446,6 @@ def _write(opts: PrepareOptions, spec: TokenizerSpec, tmp: str, stderr, threshol
     if opts.train_tokenizer:
         tokenizer["source"] = (f"moepar data prepare --train-tokenizer {opts.train_tokenizer}: a "
                                "byte-level BPE trained on this folder's train split")
-    from moepar import __version__
     index = {
         "format": FORMAT, "version": VERSION, "dtype": spec.dtype, "tokenizer": tokenizer,
         "splits": {split: w.summary(sum(docs[split])) for split, w in writers.items()},

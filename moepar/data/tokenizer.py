@@ -16,6 +16,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from moepar.jsonfile import check_regular, parse_json, read_json
+
 __all__ = ["TokenizerSpec", "resolve_tokenizer", "load_encoder", "BYTES", "BYTE_EOS_ID", "file_sha256"]
 
 BYTES = "bytes"
@@ -50,7 +52,6 @@ def file_sha256(path: str) -> str:
 
 
 def _read_json(path: str) -> dict:
-    from moepar.jsonfile import read_json
     data = read_json(path)      # FileError (a ValueError) naming the file
     return data if isinstance(data, dict) else {}
 
@@ -58,7 +59,6 @@ def _read_json(path: str) -> dict:
 def _load_hf(path: str):
     from tokenizers import Tokenizer
 
-    from moepar.jsonfile import check_regular
     check_regular(path, "--tokenizer")      # a FIFO would block the reader
     try:
         tok = Tokenizer.from_file(path)
@@ -106,7 +106,6 @@ def _find_eos(tok, folder: str) -> tuple[str, int, str]:
             eos_id = eos_id[0]
         if isinstance(eos_id, int) and tok.id_to_token(eos_id) is not None:
             return tok.id_to_token(eos_id), eos_id, name
-    from moepar.jsonfile import parse_json
     spec = parse_json(tok.to_str(), f"{folder}: the tokenizer's own description")
     eos = _post_processor_eos(spec.get("post_processor"))
     if eos and tok.token_to_id(eos) is not None:

@@ -17,10 +17,11 @@ DeepSeek-V3 trains no balance loss at all (no aux loss in DeepseekV3ForCausalLM;
 e_score_correction_bias is a buffer nothing updates): import sets every balance coefficient to 0.
 """
 
-import json
+import math
 import os
 from dataclasses import dataclass
 
+from moepar.jsonfile import read_json
 from moepar.layers.model import ModelConfig
 from moepar.layers.router import RouterConfig
 
@@ -96,9 +97,7 @@ _FLAGS = ("tie_word_embeddings", "attention_bias", "qkv_bias", "norm_topk_prob",
 def load_config_json(file: str) -> dict:
     """config.json as a dict whose settings have the types read_hf_config relies on; a
     ConversionError naming the file and the key otherwise (never a traceback)."""
-    import math
 
-    from moepar.jsonfile import read_json
     try:
         cfg = read_json(file)      # a regular file, nesting limited
     except ValueError as e:

@@ -10,7 +10,20 @@ none: a model that fits several, or none, is refused with the choices and the fl
 """
 
 import argparse
+import json
+import os
 import sys
+
+import torch
+
+from moepar.checkpoint import read_state
+from moepar.infer.source import SourceError, resolve_source
+from moepar.layers.model import ModelConfig
+from moepar.layers.router import RouterConfig
+
+from . import arch
+from .arch import ARCHS, ConversionError, arch_problems
+from .convert import hf_to_moepar, moepar_to_hf
 
 __all__ = ["main", "build_parser"]
 
@@ -18,7 +31,6 @@ _TAKES_VALUE = {"--from", "--to", "--arch", "--max-shard-size", "--dequantize-dt
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from .arch import ARCHS
     parser = argparse.ArgumentParser(
         prog="moepar convert", description="Convert a Hugging Face MoE folder to a moepar "
         "checkpoint (--from hf SRC --to moepar DST) or back (--from moepar SRC --to hf DST). "
@@ -62,8 +74,6 @@ def _positionals_last(argv: list[str]) -> list[str]:
 
 def moepar_checkpoint(src: str, log=print) -> str:
     """The checkpoint directory `src` names: itself, or a run directory's newest complete one."""
-    from moepar.infer.source import SourceError, resolve_source
-    from .arch import ConversionError
     try:
         source = resolve_source(src)
     except SourceError as e:
@@ -80,12 +90,6 @@ def export_arch(ckpt: str, log=print) -> str | None:
     """The architecture to write when --arch is not given: None (the source's own, a converted
     HF model's), or the one architecture the model fits; several or none is an error that names
     the choices and --arch."""
-    import json
-    import os
-    from moepar.checkpoint import read_state
-    from moepar.layers.model import ModelConfig
-    from moepar.layers.router import RouterConfig
-    from .arch import ARCHS, ConversionError, arch_problems, matching_archs
     hf_config = os.path.join(ckpt, "hf_config.json")
     if os.path.isfile(hf_config):
         with open(hf_config) as f:
@@ -96,7 +100,7 @@ def export_arch(ckpt: str, log=print) -> str | None:
         model, router = ModelConfig(**config["model"]), RouterConfig(**config["router"])
     except (KeyError, TypeError, ValueError) as e:
         raise ConversionError(f"{ckpt!r}: state.json holds no usable model config ({e})") from None
-    fits = matching_archs(model, router)
+    fits = arch.matching_archs(model, router)   # looked up on use (tests replace it)
     if len(fits) == 1:
         log(f"architecture {fits[0]}: the only one this model fits (--arch NAME to choose)")
         return fits[0]
@@ -110,15 +114,12 @@ def export_arch(ckpt: str, log=print) -> str | None:
 
 
 def main(argv: list[str]) -> int:
-    from .arch import ConversionError
-    from .convert import hf_to_moepar, moepar_to_hf
     parser = build_parser()
     args = parser.parse_args(_positionals_last(argv))
     if args.source == args.target:
         parser.error("--from and --to must differ")
     try:
         if args.source == "hf":
-            import torch
             out = hf_to_moepar(args.src, args.dst, args.max_shard_size,
                                getattr(torch, args.dequantize_dtype))
         else:

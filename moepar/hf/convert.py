@@ -27,17 +27,23 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-from moepar.config import sections_toml
+from moepar.checkpoint import canonical_names, commit, read_canonical, read_state, verify_checkpoint
+from moepar.config import model_sections, sections_toml
+from moepar.data.tokenizer import BYTE_TOKENIZER_SHA256, file_sha256
 from moepar.filemode import follow_umask
+from moepar.fits import available_bytes
 from moepar.hf.arch import (ARCHS, ConversionError, arch_by_name, export_notes, hf_config_dict,
-                            load_hf_json, matching_archs, mtp_layers, read_hf_config,
-                            router_loss_fields)
+                            load_config_json, load_hf_json, matching_archs, mtp_layers,
+                            read_hf_config, router_loss_fields)
 from moepar.hf.fp8 import dequantized, quantization_block
-from moepar.jsonfile import FileError, Map, Obj, Str, read_json
 from moepar.hf.names import (canonical_to_hf, expected_canonical, hf_to_canonical, layer_index,
                              rope_interleaved)
+from moepar.jsonfile import FileError, Map, Obj, Str, read_json
+from moepar.layers import Transformer
+from moepar.layers.experts import GroupedExperts
+from moepar.layers.init import reset_rope_buffers
 from moepar.layers.model import ModelConfig
-from moepar.layers.router import RouterConfig
+from moepar.layers.shapes import param_count
 from moepar.tensorfile import TensorFileError, read_header
 
 __all__ = ["ARCHS", "ConversionError", "hf_to_moepar", "moepar_to_hf", "from_hf", "CausalLM"]
@@ -128,14 +134,12 @@ def _finite(tensor: torch.Tensor, name: str, file: str) -> torch.Tensor:
 
 def _available_memory() -> int:
     """Bytes of memory this machine can still give (MemAvailable), or 0 when unknown."""
-    from moepar.fits import available_bytes
     return available_bytes("cpu")
 
 
 def _check_sizes(path: str, model_cfg: ModelConfig, files: list, element_bytes: int = 0):
     """Refuses a config.json whose sizes the shard files cannot hold (or, with element_bytes,
     that would not fit in memory) before anything is built or allocated for it."""
-    from moepar.plan.memory import param_count
     stored = sum(math.prod(e["shape"]) for _, header in files for e in header.values())
     slack = stored + (stored >> 4) + (1 << 20)
     lower = model_cfg.num_layers * 2 * model_cfg.dim + model_cfg.vocab_size * model_cfg.dim
@@ -293,7 +297,6 @@ def hf_to_moepar(src: str, dst: str, max_shard_bytes: int = 2 << 30,
                  dequantize_dtype: torch.dtype = torch.bfloat16, log=print) -> str:
     """Converts a HF folder into a moepar checkpoint directory (atomically); returns dst.
     FP8 block-quantized weights are dequantized to `dequantize_dtype` (bfloat16 or float32)."""
-    from moepar.checkpoint import commit
     if os.path.exists(dst):
         raise ConversionError(f"{dst!r} already exists; choose a new directory")
     if dequantize_dtype not in (torch.bfloat16, torch.float32):
@@ -361,7 +364,6 @@ def _export_tokenizer(src: str, state: dict, dst: str) -> str:
     if data.get("source") != "tokens":
         return ("no tokenizer written: the model trained on bytes (data.source="
                 f"{data.get('source', 'builtin')!r}), which no Hugging Face tokenizer file says")
-    from moepar.data.tokenizer import BYTE_TOKENIZER_SHA256, file_sha256
     path = data.get("path") or (data.get("paths") or [""])[0]
     sources = (state.get("dataset") or {}).get("sources") or [{}]
     trained = sources[0].get("tokenizer_sha256")
@@ -387,10 +389,8 @@ def moepar_to_hf(src: str, dst: str, arch_name: str | None = None,
 
     The architecture: `arch_name`, else the source's (a converted HF model), else the one the
     model's options match; a model no architecture can say is refused, naming what it has."""
-    from moepar.checkpoint import canonical_names, read_canonical, read_state, verify_checkpoint
     if os.path.exists(dst):
         raise ConversionError(f"{dst!r} already exists; choose a new directory")
-    from moepar.config import model_sections
     files = verify_checkpoint(src)
     state = read_state(src)
     try:
@@ -400,7 +400,6 @@ def moepar_to_hf(src: str, dst: str, arch_name: str | None = None,
     hf_config_file = os.path.join(src, "hf_config.json")
     source_cfg = None
     if "hf_config.json" in files:      # verified with the rest; an unlisted one is not ours
-        from moepar.hf.arch import load_config_json
         source_cfg = load_config_json(hf_config_file)
     elif os.path.lexists(hf_config_file):
         log(f"note: {hf_config_file} is not listed in {src}/manifest.json (it was added after "
@@ -462,9 +461,6 @@ def from_hf(path: str, dtype: torch.dtype = torch.float32, log=print) -> CausalL
     one source tensor, never a second copy of the weights. FP8 weights are dequantized to
     `dtype`; multi-token-prediction layers are dropped with a note through `log`.
     """
-    from moepar.layers import Transformer
-    from moepar.layers.experts import GroupedExperts
-    from moepar.layers.init import reset_rope_buffers
     element_bytes = torch.empty((), dtype=dtype).element_size()
     arch, model_cfg, router_cfg, stream, _ = _canonical_from_hf(path, dtype, log, element_bytes)
     with torch.device("meta"):   # no initial values: every tensor comes from the source
@@ -472,7 +468,7 @@ def from_hf(path: str, dtype: torch.dtype = torch.float32, log=print) -> CausalL
     model = model.to(dtype).to_empty(device="cpu")
     reset_rope_buffers(model, model_cfg)
     targets = model.state_dict()
-    stacks = {name: {"w_in": m.w_in_EDH, "w_out": m.w_out_EFD} for name, m in model.named_modules()
+    stacks = {name: {"w_in": m.w_in_EDU, "w_out": m.w_out_EFD} for name, m in model.named_modules()
               if isinstance(m, GroupedExperts)}
     with torch.no_grad():
         for name, tensor in stream:          # names and shapes already checked against the model

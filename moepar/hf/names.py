@@ -12,6 +12,8 @@ import re
 import torch
 
 from moepar.hf.arch import Arch, ConversionError
+from moepar.layers import Transformer
+from moepar.layers.init import canonical_tensors
 from moepar.layers.model import ModelConfig
 from moepar.layers.router import RouterConfig
 
@@ -119,8 +121,6 @@ def _hf_role(arch: Arch, cfg: ModelConfig, name: str):
 
 def expected_canonical(model_cfg: ModelConfig, router_cfg: RouterConfig) -> dict[str, tuple]:
     """Canonical name -> shape for a full model of this config (built on the meta device)."""
-    from moepar.layers import Transformer
-    from moepar.layers.init import canonical_tensors
     with torch.device("meta"):
         model = Transformer(model_cfg, router_cfg, seed=0)
     return {name: t.shape for name, t in canonical_tensors(model).items()}

@@ -1,14 +1,7 @@
-"""Validation loss and perplexity: every `train.eval_every` steps in training, and `moepar eval`.
+"""`moepar eval`: validation loss and perplexity of a run or checkpoint, computed as training's
+validation does (moepar/validation.py: the batches, their split over dp ranks, val_loss, val_ppl).
 
     moepar eval RUN_OR_CHECKPOINT --data DIR [--batches N] [--nproc N] [--section.key=value ...]
-
-The batches are `train.eval_batches` global batches from the val split of the prepared folder(s)
-(moepar.data.validation_batches): fixed windows, the same at every evaluation and every layout.
-Each global batch is split over the dp ranks as a training step is (global micro-batch i goes to
-dp rank i // local micro-batches) and runs forward only through the handle's runner (local or
-pipeline), each micro-batch one capacity group as in training. val_loss is the mean over the
-micro-batches of their mean cross-entropy (micro-batches have equal sizes: the mean per token),
-val_ppl = exp(val_loss); the figure does not depend on the layout (tests/dist/test_eval_parity.py).
 
 `moepar eval` reads the run's config.toml (beside the run's checkpoints, or the converted
 checkpoint's own), points [data] at --data, loads the checkpoint into the layout of [parallel]
@@ -17,46 +10,18 @@ when it fits --nproc (else plain data parallelism), and prints one JSON line.
 
 import argparse
 import json
-import math
 import os
 import sys
 
+from moepar.build import build_dims, build_engine
+from moepar.checkpoint import load_checkpoint, read_state
+from moepar.config import load_config
+from moepar.infer.source import resolve_source
+from moepar.launch import launch
+from moepar.process import end_process_group, init_process_group, select_device
+from moepar.validation import Validation
 
-__all__ = ["Validation", "perplexity", "main"]
-
-
-def perplexity(loss: float) -> float:
-    return math.exp(loss) if loss < 700 else math.inf
-
-
-class Validation:
-    """This rank's share of the validation batches (built before any process group exists);
-    `run(engine)` returns {"val_loss", "val_ppl"}, the same on every rank (a collective)."""
-
-    def __init__(self, cfg, dims, rank: int):
-        from moepar.data import validation_batches
-        t = cfg.train
-        self.every, self.last = t.eval_every, t.steps
-        num_micro = t.global_batch_size // t.micro_batch_size
-        local, dp_rank = num_micro // dims.dp, dims.coords(rank).dp
-        try:
-            batches = validation_batches(cfg.data, t.eval_batches * num_micro, t.micro_batch_size,
-                                         t.seq_len, cfg.model.vocab_size)
-        except ValueError as e:
-            raise ValueError(f"validation (train.eval_batches={t.eval_batches}): {e}") from None
-        self.num_micro = len(batches)
-        first = dp_rank * local
-        self.rounds = [batches[r * num_micro + first:r * num_micro + first + local]
-                       for r in range(t.eval_batches)]
-
-    def due(self, step: int) -> bool:
-        return bool(self.every) and (step % self.every == 0 or step == self.last)
-
-    def run(self, engine) -> dict:
-        loss_sum = sum(engine.evaluate([x for x, _ in r], [y for _, y in r]) for r in self.rounds)
-        loss = float(loss_sum) / self.num_micro      # the one host sync
-        return {"val_loss": loss, "val_ppl": perplexity(loss)}
-
+__all__ = ["main", "evaluate_checkpoint"]
 
 # ---- the command ------------------------------------------------------------------------------
 
@@ -92,9 +57,6 @@ def _config_file(source) -> str:
 def _resolve(args, overrides: list[str], world: int, log):
     """(source, config, dims), the layout falling back to data parallelism when the run's does
     not fit `world` ranks (and no --parallel.* layout key was given)."""
-    from moepar.build import build_dims
-    from moepar.config import load_config
-    from moepar.infer.source import resolve_source
     source = resolve_source(args.source)
     if source.kind == "hf":
         raise ValueError(f"{args.source!r} is a Hugging Face folder; convert it first: moepar "
@@ -120,9 +82,6 @@ def _resolve(args, overrides: list[str], world: int, log):
 
 def evaluate_checkpoint(cfg, dims, weights: str) -> dict:
     """This process's part of `moepar eval` (every rank): the checkpoint's validation figures."""
-    from moepar.build import build_engine
-    from moepar.checkpoint import load_checkpoint, read_state
-    from moepar.launch import init_process_group, select_device
     rank = int(os.environ.get("RANK", 0))
     validation = Validation(cfg, dims, rank)      # data errors before any process group
     device = select_device(cfg.train.device, cfg.parallel.backend)
@@ -138,7 +97,6 @@ def evaluate_checkpoint(cfg, dims, weights: str) -> dict:
 
 
 def main(argv: list[str]) -> int:
-    from moepar.launch import end_process_group, launch
     args, overrides = build_parser().parse_known_args(argv)
     world = int(os.environ.get("WORLD_SIZE", args.nproc))
     rank = int(os.environ.get("RANK", 0))

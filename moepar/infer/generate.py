@@ -22,6 +22,8 @@ import time
 
 import torch
 
+from moepar.hf import from_hf as convert
+
 from .source import Source, SourceError, build_model, load_tokenizer, resolve_source
 
 __all__ = ["generate", "next_token", "sampling_probs", "LanguageModel", "load", "from_hf", "main"]
@@ -147,7 +149,6 @@ def load(source: str, dtype=torch.float32, device="cpu", tokenizer: str | None =
 def from_hf(path: str, tokenizer: str | None = None, **kwargs) -> LanguageModel:
     """A Hugging Face folder as a LanguageModel (keywords as for moepar.hf.from_hf: dtype, log),
     with the folder's tokenizer.json when it has one."""
-    from moepar.hf import from_hf as convert
     return _with_tokenizer(convert(path, **kwargs).model, Source("hf", path, path, None),
                            tokenizer)
 

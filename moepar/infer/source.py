@@ -21,12 +21,22 @@ The tokenizer follows the data the weights learned from:
 `--tokenizer` (or `tokenizer=`) overrides it; a source without one can still take token ids.
 """
 
+import dataclasses
 import os
 from dataclasses import dataclass
 
 import torch
 
 from moepar.checkpoint import MANIFEST, latest_checkpoint, load_checkpoint, read_state
+from moepar.config import model_sections
+from moepar.data.folder import PreparedFolder, is_prepared
+from moepar.data.tokenizer import BYTE_EOS_ID, BYTE_TOKENIZER_SHA256, resolve_tokenizer
+from moepar.fits import check_fits
+from moepar.hf import from_hf
+from moepar.jsonfile import Obj, check_regular, read_json
+from moepar.layers import Transformer
+from moepar.layers.init import reset_rope_buffers
+from moepar.layers.shapes import param_count
 
 __all__ = ["SourceError", "Source", "resolve_source", "Tokenizer", "load_tokenizer",
            "build_model", "dropless"]
@@ -91,7 +101,6 @@ def dropless(router_cfg):
     depend on every token of the group, later ones included, so a model that decodes token by
     token cannot reproduce them; every token goes to its top-k experts instead (as Hugging Face's
     MoE models do)."""
-    import dataclasses
     if router_cfg.type != "topk":
         raise SourceError(f"router.type={router_cfg.type!r}: expert-choice routing picks tokens "
                           "among the whole group, so a model cannot decode with it one token at "
@@ -102,13 +111,7 @@ def dropless(router_cfg):
 def build_model(source: Source, dtype=torch.float32, device="cpu", log=print):
     """The source's Transformer, weights loaded, in eval mode, with dropless routing."""
     if source.kind == "hf":
-        from moepar.hf import from_hf
         return from_hf(source.weights, dtype=dtype, log=log).model.to(device)  # routing: dropless
-    from moepar.config import model_sections
-    from moepar.fits import check_fits
-    from moepar.layers import Transformer
-    from moepar.layers.init import reset_rope_buffers
-    from moepar.plan.memory import param_count
     try:
         model_cfg, router_cfg = model_sections(source.config, f"{source.weights}/state.json")
     except ValueError as e:
@@ -156,7 +159,6 @@ class Tokenizer:
 
 
 def _bytes(eos: bool) -> Tokenizer:
-    from moepar.data.tokenizer import BYTE_EOS_ID
     return Tokenizer("bytes", (BYTE_EOS_ID,) if eos else ())
 
 
@@ -165,8 +167,6 @@ def _hf_tokenizer(folder_or_file: str, eos_ids: tuple[int, ...] | None, special:
     prepare` finds them (plus generation_config.json's list)."""
     from tokenizers import Tokenizer as HFTokenizer
 
-    from moepar.data.tokenizer import resolve_tokenizer
-    from moepar.jsonfile import check_regular
     spec = resolve_tokenizer(folder_or_file) if eos_ids is None else None
     path = spec.path if spec else folder_or_file
     check_regular(path, "tokenizer")       # a FIFO would block the reader
@@ -179,7 +179,6 @@ def _hf_tokenizer(folder_or_file: str, eos_ids: tuple[int, ...] | None, special:
 
 
 def _generation_eos(folder: str) -> tuple[int, ...]:
-    from moepar.jsonfile import Obj, read_json
     path = os.path.join(folder, "generation_config.json")
     if not os.path.lexists(path):
         return ()
@@ -190,8 +189,6 @@ def _generation_eos(folder: str) -> tuple[int, ...]:
 
 def _data_tokenizer(data: dict, where: str) -> Tokenizer:
     """The tokenizer of the data a run trained on (its [data] section)."""
-    from moepar.data.folder import PreparedFolder, is_prepared
-    from moepar.data.tokenizer import BYTE_TOKENIZER_SHA256
     source = data.get("source", "builtin")
     if source in ("builtin", "text"):
         return _bytes(eos=False)

@@ -8,13 +8,18 @@
 |-------------|----------------------------------------------------------------------|
 | runload.py  | reads and checks the run directory and its expert_load.jsonl         |
 | report.py   | the per-layer numbers (hot, cold, dead, drops, imbalance, bias) and text |
-| plots.py    | the matplotlib pictures (also TensorBoard's heatmap image)           |
+| ../plots.py | the matplotlib pictures (moepar/plots.py: TensorBoard draws them too) |
 """
 
 import argparse
 import json
 import os
 import sys
+
+from moepar import plots
+
+from .report import format_text, imbalance_SL, step_index, summarize
+from .runload import InspectError, read_run
 
 __all__ = ["main", "build_parser"]
 
@@ -45,8 +50,6 @@ def build_parser() -> argparse.ArgumentParser:
 
 def write_plots(runs, reports, plots_dir: str, step: int | None) -> list[str]:
     """heatmap.png, imbalance.png and tokens_step_S.png for one run or two side by side."""
-    from . import plots
-    from .report import imbalance_SL, step_index
     os.makedirs(plots_dir, exist_ok=True)
     paths = []
     panels = [(run.name if len(runs) > 1 else "", plots.ratio_to_mean(
@@ -67,8 +70,6 @@ def write_plots(runs, reports, plots_dir: str, step: int | None) -> list[str]:
 
 
 def main(argv: list[str]) -> int:
-    from .report import format_text, summarize
-    from .runload import InspectError, read_run
     args = build_parser().parse_args(argv)
     if args.last < 1:
         print(f"moepar inspect: --last {args.last} must be >= 1", file=sys.stderr)

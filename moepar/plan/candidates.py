@@ -13,13 +13,14 @@ import dataclasses
 import functools
 from dataclasses import dataclass
 
-from moepar.parallel.dims import ParallelDims
 from moepar.build import build_dims
+from moepar.layers.shapes import tensor_shapes
+from moepar.parallel.dims import ParallelDims
 
 from .activations import ActSpec, rows_per_rank
 from .flops import model_flops_per_token
 from .footprint import rank_footprint, stage_layers
-from .memory import rank_memory, tensor_shapes
+from .memory import rank_memory
 from .steptime import step_seconds
 
 __all__ = ["Layout", "Plan", "Request", "search", "evaluate", "config_layout", "run_config",

@@ -10,6 +10,7 @@ reports on).
 """
 
 import argparse
+import dataclasses
 import json
 import sys
 import time
@@ -74,7 +75,6 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _request(args) -> tuple[Request, str, str]:
-    import dataclasses
     base, source = load_model(args.model, args.overrides)
     if args.dtype:
         base = dataclasses.replace(base, train=dataclasses.replace(base.train, dtype=args.dtype))

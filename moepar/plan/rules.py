@@ -1,7 +1,7 @@
 """`moepar plan --explain`: the rules the planner applies, and this model's numbers behind them.
 The same text is the strategy guide in the README."""
 
-from .memory import param_count
+from moepar.layers.shapes import param_count
 
 __all__ = ["RULES", "explain"]
 

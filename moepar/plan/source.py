@@ -8,6 +8,7 @@ import shutil
 import tempfile
 
 from moepar.config import DataConfig, RunConfig, load_config, to_toml
+from moepar.hf.arch import ConversionError, read_hf_config
 from moepar.jsonfile import open_regular, parse_json
 
 __all__ = ["load_model", "imbalance_from_run"]
@@ -50,7 +51,6 @@ def _load(path: str) -> tuple[RunConfig, str]:
 
 
 def _from_hf(folder: str) -> tuple[RunConfig, str]:
-    from moepar.hf.arch import ConversionError, read_hf_config
     try:
         arch, model, router = read_hf_config(folder)
     except ConversionError as e:

@@ -105,7 +105,7 @@ def case_layer_parity(ep: int, dispatcher: str, capacity_factor, chunks: int = 1
     # groups after summing over edp.
     edp_group = meshes.group("edp")
     first, local = sharded.experts.expert_offset, sharded.experts.num_experts
-    for name in ("w_in_EDH", "w_out_EFD"):
+    for name in ("w_in_EDU", "w_out_EFD"):
         grad = getattr(sharded.experts, name).grad.clone()
         dist.all_reduce(grad, group=edp_group)
         ref = getattr(reference.experts, name).grad[first:first + local]
@@ -239,7 +239,7 @@ def case_weight_grads_after_input_grad_leaves(ep: int, dispatcher: str):
 
 @pytest.mark.parametrize("dispatcher", ["alltoall", "dedup"])
 def test_weight_grads_after_input_grad_leaves(worlds, dispatcher):
-    expected = {"w_in_EDH": True, "w_out_EFD": True}
+    expected = {"w_in_EDU": True, "w_out_EFD": True}
     assert worlds(2).run(case_weight_grads_after_input_grad_leaves, 2, dispatcher) == [expected] * 2
 
 

@@ -71,7 +71,7 @@ def case_nonfinite_on_one_rank(run_dir: str):
 def case_subgroup_timeout(seconds: float):
     import torch.distributed.distributed_c10d as c10d
     from moepar.config import ParallelConfig
-    from moepar.launch import init_process_group
+    from moepar.process import init_process_group
     saved = (c10d.default_pg_timeout, c10d.default_pg_nccl_timeout)
     try:
         init_process_group(ParallelConfig(timeout_s=seconds), torch.device("cpu"), 2)

@@ -140,7 +140,7 @@ def test_bf16_moe_layer_is_close_to_float64():
         xx.requires_grad_()
         y = layer(xx).y
         y.backward(torch.linspace(-1, 1, y.numel()).view_as(y).to(y.dtype))
-        outs.append((y, xx.grad, layer.experts.w_in_EDH.grad, layer.experts.w_out_EFD.grad))
+        outs.append((y, xx.grad, layer.experts.w_in_EDU.grad, layer.experts.w_out_EFD.grad))
     for got, want in zip(*outs, strict=True):
         assert _rel(got, want) < 2e-2
 

@@ -12,7 +12,7 @@ import pytest
 from moepar.config import load_config
 from moepar.dryrun import dry_run_text
 from moepar.layers import Transformer
-from moepar.plan.memory import param_count
+from moepar.layers.shapes import param_count
 from moepar.progress import progress_line
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 

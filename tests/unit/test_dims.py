@@ -10,7 +10,7 @@ import torch
 
 from configs import tiny_config
 from moepar.parallel.alltoall import source_to_expert_major
-from moepar.parallel.dims import Coords, ParallelDims
+from moepar.parallel.dims import Coords, Layout, ParallelDims
 from moepar.build import build_dims
 
 # ---- coordinates -----------------------------------------------------------------------------
@@ -263,3 +263,18 @@ def test_gpus_per_node_must_divide_the_world():
     with pytest.raises(ValueError, match="gpus_per_node=3 must divide the world size 8"):
         ParallelDims(8, dp=8, gpus_per_node=3)
     assert ParallelDims(8, dp=8, gpus_per_node=4).describe_nodes().startswith("2 nodes of 4")
+
+
+def test_world_collectives_are_no_ops_alone():
+    """Alone (or standing in for one rank of a larger layout, without meshes) the layout's world
+    collectives return their input and call nothing: no process group exists here, so any
+    torch.distributed call would raise."""
+    for dims in (ParallelDims(1), ParallelDims(4, dp=4)):
+        cpu = torch.device("cpu")
+        layout = dims.bind(0, cpu) if dims.world_size == 1 else Layout(dims, 2, cpu, None)
+        assert layout.world == 1
+        flags = torch.tensor([0.0, 1.0])
+        assert layout.all_reduce(flags, "max") is flags and flags.tolist() == [0.0, 1.0]
+        assert layout.from_rank0({"a": 1}) == {"a": 1}
+        assert layout.everyone("x") == ["x"] and layout.gather_to_first("x") == ["x"]
+        layout.barrier()

@@ -15,7 +15,7 @@ from configs import tiny_config
 from moepar.checkpoint import load_checkpoint
 from moepar.data import validation_batches
 from moepar.data.prepare import PrepareOptions, prepare
-from moepar.infer.evaluate import Validation, perplexity
+from moepar.validation import Validation, perplexity
 from moepar.layers import Transformer
 from moepar.parallel import ParallelDims
 from moepar.train import Trainer

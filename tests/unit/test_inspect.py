@@ -9,7 +9,7 @@ import pytest
 
 from configs import tiny_config
 from moepar.inspect import main
-from moepar.inspect import plots
+from moepar import plots
 from moepar.train import Trainer
 
 LAYERS = [1, 3]                       # model layer numbers of the two MoE layers

@@ -1,9 +1,9 @@
-"""Device choice and backend checks (moepar/launch.py), as pure functions: no GPU needed."""
+"""Device choice and backend checks (moepar/process.py), as pure functions: no GPU needed."""
 
 import pytest
 import torch
 
-from moepar.launch import device_index, select_device
+from moepar.process import device_index, select_device
 
 
 def test_local_rank_wins_then_rank_modulo_devices():

@@ -13,7 +13,7 @@ import torch
 import torch.nn.functional as F
 
 from moepar.layers import FeedForward, ModelConfig, MoE, RouterConfig, Transformer
-from moepar.layers.model import apply_rotary, rotary_tables
+from moepar.layers.rope import apply_rotary, rotary_tables
 from moepar.parallel import apply_activation_checkpointing
 
 TINY = dict(vocab_size=32, dim=16, num_layers=2, num_heads=4, num_kv_heads=2, ffn_dim=16,

@@ -133,7 +133,7 @@ def naive_moe(x, p, cfg):
         y_D = torch.zeros_like(x_TD[t])
         for a in assignments:
             if a["token"] == t and a["kept"]:
-                y_D = y_D + a["weight"] * naive_ffn(x_TD[t], p["experts.w_in_EDH"][a["expert"]],
+                y_D = y_D + a["weight"] * naive_ffn(x_TD[t], p["experts.w_in_EDU"][a["expert"]],
                                                     p["experts.w_out_EFD"][a["expert"]], activation)
         if cfg.num_shared_experts:
             shared_D = naive_ffn(x_TD[t], p["shared.ffn.w_in.weight"].t(),
@@ -249,7 +249,7 @@ def test_one_expert_top1_equals_dense_ffn(dtype):
     moe, _ = build_moe(dim=16, ffn_dim=8, num_experts=1, top_k=1, dtype=dtype)
     ffn = FeedForward(16, 8).to(dtype)
     with torch.no_grad():
-        ffn.w_in.weight.copy_(moe.experts.w_in_EDH[0].t())
+        ffn.w_in.weight.copy_(moe.experts.w_in_EDU[0].t())
         ffn.w_out.weight.copy_(moe.experts.w_out_EFD[0].t())
     x = torch.randn(2, 5, 16, dtype=dtype, generator=torch.Generator().manual_seed(3))
 
@@ -262,7 +262,7 @@ def test_one_expert_top1_equals_dense_ffn(dtype):
     y_dense.sum().backward()
     tol = TOL64 if dtype == torch.float64 else dict(rtol=1e-5, atol=1e-6)
     torch.testing.assert_close(out.y, y_dense, **tol)
-    torch.testing.assert_close(moe.experts.w_in_EDH.grad[0], ffn.w_in.weight.grad.t(), **tol)
+    torch.testing.assert_close(moe.experts.w_in_EDU.grad[0], ffn.w_in.weight.grad.t(), **tol)
     torch.testing.assert_close(moe.experts.w_out_EFD.grad[0], ffn.w_out.weight.grad.t(), **tol)
     # The one softmax weight is the constant 1 and the balance loss the constant 1: no gradient.
     assert torch.count_nonzero(moe.router.weight.grad) == 0

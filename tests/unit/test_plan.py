@@ -16,7 +16,7 @@ from moepar.plan.candidates import Request, config_layout, evaluate, search
 from moepar.plan.flops import model_flops_per_token
 from moepar.plan.footprint import in_flight
 from moepar.plan.hardware import PRESETS, resolve_gpu
-from moepar.plan.memory import param_count
+from moepar.layers.shapes import param_count
 from moepar.plan.source import imbalance_from_run, load_model
 from moepar.plan.steptime import stage_seconds, step_seconds
 from moepar.plan.writer import best_runnable, plan_config, runnable, write_plan

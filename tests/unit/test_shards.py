@@ -137,7 +137,7 @@ def test_initial_values_are_a_pure_function_of_seed_and_name():
     canonical = canonical_tensors(model)
     # expert 2 of layer 0 is drawn by its own name, whatever else exists
     expert = draw("layers.0.ffn.experts.2.w_in", canonical["layers.0.ffn.experts.2.w_in"], 7)
-    torch.testing.assert_close(model.layers[0].ffn.experts.w_in_EDH[2], expert, rtol=0, atol=0)
+    torch.testing.assert_close(model.layers[0].ffn.experts.w_in_EDU[2], expert, rtol=0, atol=0)
     assert expert.std().item() == pytest.approx(cfg.init_std, rel=0.2)
     out_std = cfg.init_std / (2 * cfg.num_layers) ** 0.5
     assert model.layers[1].attn.o_proj.weight.std().item() == pytest.approx(out_std, rel=0.2)

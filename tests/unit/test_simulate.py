@@ -9,7 +9,8 @@ import pytest
 
 from moepar.bench.simulate import simulate
 from moepar.config import load_config
-from moepar.plan.memory import param_count, rank_memory
+from moepar.layers.shapes import param_count
+from moepar.plan.memory import rank_memory
 from moepar.build import build_dims
 
 EXAMPLES = pathlib.Path(__file__).resolve().parents[2] / "examples"

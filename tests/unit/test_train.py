@@ -146,7 +146,7 @@ def test_run_directory_and_checkpoint_files(tmp_path):
     # Layout-free names: experts by global id, no stacked [E, ...] tensors.
     assert "layers.0.ffn.experts.3.w_in" in index["model"]
     assert "exp_avg/layers.1.ffn.experts.0.w_out" in index["optimizer"]
-    assert not any("w_in_EDH" in name for name in index["model"])
+    assert not any("w_in_EDU" in name for name in index["model"])
     assert not any(f.endswith(".pt") or f.endswith(".bin") for f in files)
 
 
