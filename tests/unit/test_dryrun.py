@@ -113,7 +113,8 @@ def test_deepseek_v3_and_moe_1b_dry_run(train):
     code, out, err = train(EX / "moe_1b.toml")
     assert code == 0, err
     cfg = load_config(str(EX / "moe_1b.toml"))
-    assert f"params {dry_run(cfg, 1)['params']['total'] * 4 / 2 ** 30:.2f}," in out
+    # bfloat16 training: a float32 master (4 bytes) and a bf16 compute weight (2) per parameter
+    assert f"params {dry_run(cfg, 1)['params']['total'] * (4 + 2) / 2 ** 30:.2f}," in out
 
 
 def test_cluster_shows_the_node_split_at_every_node_count(train):
