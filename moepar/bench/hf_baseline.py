@@ -97,7 +97,7 @@ def bench_against_hf(cfg, steps: int = 10, warmup: int = 2,
                      experts_implementation: str | None = None) -> dict:
     """Median step time of moepar's Trainer and of the plain loop, alternating; their ratio."""
     with tempfile.TemporaryDirectory() as tmp:
-        cfg.run.dir, cfg.run.tensorboard, cfg.run.log_every = tmp, False, 0
+        cfg.run.dir, cfg.run.tensorboard = tmp, False
         cfg.train.steps = warmup + steps
         trainer = Trainer(cfg, log=lambda _m: None, shared_run_dir=False)
         device = trainer.device

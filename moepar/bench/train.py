@@ -47,7 +47,7 @@ def sync_device(device):
 
 def bench_train(cfg, steps: int = 10, warmup: int = 2, peak_tflops: float | None = None) -> dict:
     with tempfile.TemporaryDirectory() as tmp:
-        cfg.run.dir, cfg.run.tensorboard, cfg.run.log_every = tmp, False, 0
+        cfg.run.dir, cfg.run.tensorboard = tmp, False
         cfg.train.steps = warmup + steps
         trainer = Trainer(cfg, log=lambda _m: None, shared_run_dir=False)  # a scratch dir
         device = trainer.device
