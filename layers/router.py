@@ -159,13 +159,13 @@ class RouterOutput(NamedTuple):
     stats: RoutingStats
 
 
-@torch.compiler.assume_constant_result
 def capacity(num_tokens: int, top_k: int, capacity_factor: float, num_experts: int) -> int:
     """Expert capacity for one group: ceil(tokens * k * capacity_factor / experts).
 
     Exact in decimal: 100 tokens at factor 1.1 over 10 experts is 11, not ceil(110.00000000000001).
     Host numbers only: a compiled router (parallel/compile.py, static shapes) takes the result
-    as a constant of its graph instead of tracing the Fraction arithmetic.
+    as a constant of its graph instead of tracing the Fraction arithmetic (compile.py marks this
+    function so; marking it here would import torch's compiler into every process at start).
     """
     factor = Fraction(repr(float(capacity_factor)))
     return math.ceil(Fraction(num_tokens * top_k) * factor / num_experts)

@@ -57,7 +57,7 @@ from dataclasses import dataclass
 import torch
 
 from moepar.layers.experts import activate
-from moepar.layers.router import ExpertChoiceRouter, TopKRouter
+from moepar.layers.router import ExpertChoiceRouter, TopKRouter, capacity
 
 __all__ = ["apply_compile", "CompiledRegions", "COMPILE_BACKENDS"]
 
@@ -128,6 +128,8 @@ def apply_compile(model, backend: str = "inductor") -> CompiledRegions:
     returns what it installed. Nothing compiles before the first forward."""
     if backend not in COMPILE_BACKENDS:
         raise ValueError(f"train.compile_backend={backend!r} is not one of {COMPILE_BACKENDS}")
+    # The routers' capacity is host arithmetic (a Fraction): a constant of each compiled graph.
+    torch.compiler.assume_constant_result(capacity)
     per_layer = {}
     for block in model.layers:
         count = sum(_compile_maths(m, backend) for m in (block.attn_norm, block.ffn_norm,
