@@ -10,19 +10,13 @@ what outlives a chunk is three [T] vectors. `combine` turns those into each toke
 here, locally; under tp, with two all-reduces over the ranks' vocabulary slices (one of the
 maxima, one of the sums), once per call on [T] vectors, not per chunk.
 
-Two ways to get the gradients, chosen by where the vocabulary lives:
-- All of it here, and a mean or sum (`linear_cross_entropy`, one device: training at tp 1):
-  each chunk holds whole vocabulary rows, so its softmax is known at once; forward forms the
-  chunk's softmax - onehot and its dh and dW right away (Liger-Kernel's FusedLinearCrossEntropy),
-  and backward only scales them by the incoming scalar. Three vocabulary-sized matmuls, as
-  unfused logits take. What this holds from the loss's forward to its backward is dh_TD (the
-  size of h) and a float32 dW_VD; the loss is the last op of the forward, so its backward comes
-  next (also for the last pipeline stage's micro-batch) and nothing runs at a higher activation
-  peak in between. Without gradients (evaluation) no gradient work is done.
-- A slice of the vocabulary (tp: parallel/vocab.py) or per-token losses: forward saves only h_TD
-  and W_VlD (alive anyway: the head's input and a parameter) and the [T] logsumexp, which under
-  tp needs all ranks' slices first; backward recomputes each chunk's logits (a fourth
-  vocabulary-sized matmul) to form softmax - onehot and the chunk's dh and its share of dW.
+Forward saves only h_TD and W_VlD (alive anyway: the head's input and a parameter) and the [T]
+logsumexp; backward recomputes each chunk's logits (one more [C, D] x [D, Vl] matmul per chunk)
+to form softmax - onehot and the chunk's dh and its share of dW. The alternative, computing the
+gradients eagerly in forward (Liger-Kernel's FusedLinearCrossEntropy), saves that matmul but
+holds dh_TD and a float32 dW_VlD accumulator from forward to backward (2 GiB at V=128k, D=4096,
+at the activation peak), does the gradient work in evaluation too, and under tp needs the
+all-reduced logsumexp before any gradient (a second pass or per-chunk collectives).
 
 dW sums over chunks: in float32 under a 16-bit compute dtype (each chunk's product rounded once to
 the compute dtype, as the unchunked matmul's one rounding), in place in the weight's dtype else.
@@ -122,56 +116,6 @@ class _LinearCrossEntropy(torch.autograd.Function):
                 None, None, None, None, None, None)
 
 
-class _MeanLinearCrossEntropy(torch.autograd.Function):
-    """scale * sum over tokens of logsumexp(h W^T) - (h W^T)[target], one device, the whole
-    vocabulary; with gradients needed, dh and dW formed in forward (see the module text)."""
-
-    @staticmethod
-    def forward(ctx, h_TD, w_VD, targets_T, chunk: int, dtype, scale: float):
-        T = h_TD.shape[0]
-        wide = torch.promote_types(dtype, torch.float32)
-        w_c = w_VD.to(dtype)
-        need_h, need_w = ctx.needs_input_grad[:2]
-        dh_TD = torch.empty_like(h_TD) if need_h else None
-        dw_VD = (torch.zeros(w_VD.shape, dtype=torch.promote_types(dtype, torch.float32),
-                             device=w_VD.device) if need_w else None)
-        loss_T = torch.empty(T, dtype=wide, device=h_TD.device)
-        for start in range(0, T, chunk):
-            rows = slice(start, min(start + chunk, T))
-            h_c = h_TD[rows].to(dtype)
-            z_CV = _chunk_logits(h_c, w_c, wide, None)
-            ids_C = targets_T[rows, None]
-            m_C = z_CV.amax(-1, keepdim=True)
-            target_C = z_CV.gather(1, ids_C)
-            p_CV = z_CV.sub_(m_C).exp_()                     # in place: exp(z - max)
-            sumexp_C = p_CV.sum(-1, keepdim=True)
-            loss_T[rows] = (m_C + sumexp_C.log() - target_C).squeeze(1)
-            if not (need_h or need_w):
-                continue
-            # softmax - onehot, times the reduction's scale, in float32 or wider
-            p_CV.div_(sumexp_C).scatter_add_(1, ids_C, p_CV.new_full(ids_C.shape, -1.0))
-            g_CV = p_CV.mul_(scale).to(dtype)
-            del p_CV, z_CV
-            if need_h:
-                dh_TD[rows] = g_CV @ w_c
-            if need_w:
-                if dw_VD.dtype == dtype:
-                    dw_VD.addmm_(g_CV.t(), h_c)
-                else:
-                    dw_VD += g_CV.t() @ h_c
-        # dW stays in its float32 sum until the incoming gradient is applied: one rounding.
-        ctx.save_for_backward(dh_TD, dw_VD)
-        ctx.w_dtype = w_VD.dtype
-        return loss_T.sum() * scale
-
-    @staticmethod
-    def backward(ctx, grad):
-        dh_TD, dw_VD = ctx.saved_tensors
-        return (None if dh_TD is None else dh_TD.mul_(grad.to(dh_TD.dtype)),
-                None if dw_VD is None else dw_VD.mul_(grad.to(dw_VD.dtype)).to(ctx.w_dtype),
-                None, None, None, None)
-
-
 def _chunk_logits(h_CD, w_c, wide, pad_V):
     """A chunk's logits in the compute dtype, widened (a fresh tensor: callers work in place)."""
     z_CV = F.linear(h_CD.to(w_c.dtype), w_c)
@@ -200,12 +144,6 @@ def linear_cross_entropy(h, w_VD, targets, reduction: str = "mean", chunk: int |
     "none"."""
     if reduction not in ("mean", "sum", "none"):
         raise ValueError(f"reduction={reduction!r} is not one of 'mean', 'sum', 'none'")
-    if reduction != "none":
-        h_TD, targets_T = h.reshape(-1, h.shape[-1]), targets.reshape(-1)
-        scale = 1.0 / max(targets_T.numel(), 1) if reduction == "mean" else 1.0
-        return _MeanLinearCrossEntropy.apply(h_TD, w_VD, targets_T,
-                                             chunk or chunk_tokens(w_VD.shape[0]),
-                                             _compute_dtype(h_TD, w_VD), scale)
     loss_T = linear_cross_entropy_tokens(h.reshape(-1, h.shape[-1]), w_VD, targets.reshape(-1),
                                          chunk=chunk)
     if reduction == "mean":

@@ -10,9 +10,9 @@ dispatch mode that sees every aten op below autograd, in forward and backward al
 |------------------------|-------------------------------------------------|---------------------------|
 | free (metadata)        | views by schema (view, transpose, expand, split, detach, ...), `_unsafe_view`, `empty*` | 0 bytes |
 | matmul                 | mm, addmm, bmm, baddbmm, `_grouped_mm`, ...     | apart: 2 m n k FLOPs      |
-| matmul, memory-bound   | a matmul below 16 FLOPs per byte it moves (the combine's batched dot over K copies, a [T,1,D] @ [T,D,1]) | traffic, class "matmul (memory-bound)" |
+| matmul, memory-bound   | mv, dot, and products with m, k or n <= 16 (the combine's weighted sum of K copies, [T,1,K] @ [T,K,D]) | traffic, class "matmul (memory-bound)" |
 | attention kernel       | `_scaled_dot_product_*`, flash / efficient / cudnn attention | apart: FLOPs as matmuls, no causal halving (PaLM's count, as `bench train`) |
-| traffic                | every other op                                  | reads: tensor inputs (each once, a broadcast dim once; a gather's source at most its output); writes: outputs and mutated inputs |
+| traffic                | every other op                                  | reads: tensor inputs (each once, a broadcast dim once; a gather's source at most its output); writes: outputs and mutated inputs (an in-place scatter or index_put: only as much of its destination as its other arguments) |
 
 Where it runs (`Scope`): inside a block (model.layers[i], MoE or dense; in backward from the
 gradient of its output to that of its input), outside the blocks (batch, embedding, final norm,
@@ -55,10 +55,13 @@ PERMUTE = {"index_select", "gather", "scatter", "scatter_", "scatter_add", "scat
            "index", "index_copy", "index_copy_", "sort", "argsort", "searchsorted", "cat", "stack",
            "topk", "embedding", "embedding_dense_backward", "masked_select", "masked_scatter",
            "repeat_interleave", "bincount", "histc", "nonzero", "gather_backward"}
-# A GPU's ridge point is ~200 FLOPs/byte (H200: 989 TFLOP/s over 4.8 TB/s); a product far below
-# it (a batched dot or weighted sum over a few rows) moves bytes like an elementwise op, and
-# counting it as a tensor-core matmul would hide them.
-LOW_INTENSITY = 16
+# A product with a dimension of at most SKINNY (the bf16 combine's [T,1,K] @ [T,K,D]: a weighted
+# sum of K rows; a batched dot) does about 2 FLOPs per element it moves, far below a GPU's ridge
+# point (~200 FLOPs/byte on an H200): it moves bytes like an elementwise op, and counting it as
+# tensor-core work would hide them.
+SKINNY = 16
+SCATTER_INTO = {"scatter_", "scatter_add_", "index_put_", "_index_put_impl_", "index_add_",
+                "index_copy_", "masked_scatter_"}    # write (and read) only what they index
 GATHER = {"embedding", "index_select", "gather", "index"}    # read the rows they pick
 SOFTMAX_LOSS = {"_softmax", "_softmax_backward_data", "_log_softmax", "_log_softmax_backward_data",
                 "nll_loss_forward", "nll_loss_backward", "nll_loss2d_forward", "logsumexp",
@@ -99,6 +102,14 @@ def attention_flops(name: str, args) -> int:
     return 2 * forward if backward else forward
 
 
+def skinny(name: str, args) -> bool:
+    """A memory-bound product: a vector one (mv, dot) or one whose m, k or n is <= SKINNY."""
+    if name in ("mv", "addmv", "dot") or name.endswith("grouped_mm"):
+        return name in ("mv", "addmv", "dot")
+    a, b = (args[1], args[2]) if name in ("addmm", "baddbmm") else args[:2]
+    return min(a.shape[-2], a.shape[-1], b.shape[-1]) <= SKINNY
+
+
 def op_class(name: str, func, args, outs, in_norm: bool) -> str:
     if name in MATMUL:
         return "matmul (memory-bound)"
@@ -133,6 +144,8 @@ class Counter(TorchDispatchMode):
         kwargs = kwargs or {}
         out = func(*args, **kwargs)
         name = func.overloadpacket.__name__
+        if name.endswith("_") and name[:-1] in MATMUL:    # addmm_, baddbmm_: the same product
+            name = name[:-1]
         if func.is_view or name in FREE:
             return out
         outs = _tensors(out)
@@ -149,9 +162,13 @@ class Counter(TorchDispatchMode):
         if name in GATHER:           # of the source, only the rows picked (at most all of it)
             read -= nbytes(args[0]) - min(nbytes(args[0]), sum(nbytes(t) for t in outs))
         wrote = sum(nbytes(t) for t in written.values())
+        if name in SCATTER_INTO:     # in place: the kernel touches only the elements it indexes
+            touched = min(nbytes(args[0]), sum(nbytes(t) for v in (*args[1:], *kwargs.values())
+                                               for t in _tensors(v)))
+            wrote -= nbytes(args[0]) - touched
+            read -= nbytes(args[0]) - touched
         part = self.where()
-        low = (name in MATMUL and matmul_flops(name, args, outs[0])
-               < LOW_INTENSITY * (read + wrote))
+        low = name in MATMUL and skinny(name, args)
         if (name in MATMUL and not low) or name.startswith(ATTENTION):
             table = self.matmul if name in MATMUL else self.attention
             flops = (matmul_flops(name, args, outs[0]) if name in MATMUL

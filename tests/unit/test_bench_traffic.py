@@ -57,7 +57,7 @@ def test_matmuls_and_attention_are_counted_apart_with_their_flops():
 def test_a_memory_bound_matmul_is_traffic():
     """The bf16 combine's weighted sum of K copies, [T,1,K] @ [T,K,D], does 2 T K D FLOPs on
     2 (T K D + T K + T D) bytes (under 1 FLOP per byte): it moves bytes like an elementwise op,
-    and is counted with them, not as tensor-core work."""
+    and is counted with them, not as tensor-core work (a product with m, k or n <= 16)."""
     t, k, d = 64, 4, 32
     w_T1K = torch.randn(t, 1, k, dtype=torch.bfloat16)
     y_TKD = torch.randn(t, k, d, dtype=torch.bfloat16)
@@ -111,3 +111,18 @@ def test_the_optimizer_scales_with_parameters_and_the_rest_with_tokens(two_batch
 def test_bad_override_is_refused_by_name(capsys):
     assert bench_main(["traffic", "tiny", "--model.no_such_key=3"]) == 2
     assert "no_such_key" in capsys.readouterr().err
+
+
+def test_in_place_scatter_and_addmm_count_what_they_touch():
+    """scatter_add_ of 4 values into a [4, 100] table reads and writes those 4 elements (plus
+    its index and source), not the table; addmm_ is a matmul like addmm."""
+    table_4C = torch.zeros(4, 100)
+    ids_41, ones_41 = torch.tensor([[1], [5], [7], [9]]), torch.ones(4, 1)
+    a_nn = torch.randn(128, 128)
+    with Counter() as c:
+        table_4C.scatter_add_(1, ids_41, ones_41)
+        a_nn.clone().addmm_(a_nn, a_nn)
+    touched = 4 * 8 + 4 * 4                     # int64 index + float32 source
+    assert c.traffic[("outside", "scatter_add_", "permutation/gather/scatter")] == \
+        [1, touched + touched, touched]
+    assert ("outside", "addmm") in c.matmul
