@@ -9,7 +9,7 @@ import torch
 
 from moepar.config import RunConfig
 from moepar.layers import Transformer
-from moepar.parallel import Options, ParallelDims, parallelize
+from moepar.parallel import Options, ParallelDims, ParallelOptions, parallelize
 from moepar.parallel.adamw import AdamW
 from moepar.parallel.schedules import check_schedule
 
@@ -74,7 +74,7 @@ def build_engine(cfg: RunConfig, layout, device, num_local_micro: int, materiali
     with torch.device("meta"):
         model = Transformer(cfg.model, cfg.router, seed=t.seed)
     model = model.to(PARAM_DTYPES[t.dtype])
-    options = Options(cfg.parallel, adamw_factory(t, fused=device.type == "cuda"),
+    options = Options(ParallelOptions.of(cfg.parallel), adamw_factory(t, fused=device.type == "cuda"),
                       num_micro=num_local_micro, vocab_size=cfg.model.vocab_size,
                       seq_len=t.seq_len, recompute=t.recompute,
                       compile=t.compile, compile_backend=t.compile_backend,

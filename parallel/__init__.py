@@ -10,7 +10,7 @@ those parts. A model that is already materialized (tests, notebooks) goes throug
 order; its values are kept.
 """
 
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from typing import Callable
 
 import torch
@@ -33,15 +33,36 @@ from .precision import Masters, Precision
 from .tensor import apply_tp
 from .zero import FullyShardedSync, ShardedAdamW, ZeroReducer
 
-__all__ = ["parallelize", "Options", "ParallelModel", "apply_activation_checkpointing",
+__all__ = ["parallelize", "Options", "ParallelOptions", "ParallelModel", "apply_activation_checkpointing",
            "apply_recompute", "apply_compile", "apply_ep", "ParallelDims", "Layout",
            "data_parallel", "LocalSync"]
+
+
+@dataclass(frozen=True)
+class ParallelOptions:
+    """The choices of a run's [parallel] section that `parallelize` reads (moepar/build.py copies
+    them from the validated config; parallel/ never imports moepar's config)."""
+    zero: int = 0                      # 0 DDP; ZeRO 1, 2, 3 (zero.py)
+    dispatcher: str = "alltoall"       # under ep > 1: alltoall, dedup, allgather (expert.py)
+    debug_splits: bool = False         # check all-to-all split sizes across ranks
+    a2a_chunks: int = 1                # alltoall: expert chunks pipelined between all-to-alls
+    bucket_mb: float = 25.0            # gradient buckets reduced while backward runs
+    grad_reduce_dtype: str = ""        # "" (the parameters' dtype) or "bfloat16" on the wire
+    pp_schedule: str = "1f1b"          # "1f1b", "interleaved_1f1b" or "gpipe"
+    pp_virtual: int = 1                # model chunks per pipeline rank
+    pp_layers: tuple[int, ...] = ()    # layers per chunk; empty: balanced
+
+    @classmethod
+    def of(cls, section) -> "ParallelOptions":
+        """These fields of a config section (any object with them, e.g. moepar's ParallelConfig)."""
+        values = {f.name: getattr(section, f.name) for f in fields(cls)}
+        return cls(**dict(values, pp_layers=tuple(values["pp_layers"])))
 
 
 @dataclass
 class Options:
     """What `parallelize` needs beyond the layout; the trainer fills it from the run config."""
-    parallel: object                   # the [parallel] section (zero, dispatcher, pp_schedule, ...)
+    parallel: ParallelOptions          # the [parallel] choices (zero, dispatcher, pp_schedule, ...)
     make_optimizer: Callable           # (decay parameters, no-decay parameters) -> optimizer
     num_micro: int = 1                 # micro-batches per step on each data-parallel rank
     vocab_size: int = 0
@@ -131,7 +152,8 @@ class LocalSync:
 _WIRE = {"": None, "float32": torch.float32, "bfloat16": torch.bfloat16}
 
 
-def data_parallel(model, layout: Layout, parallel, make_adamw, fsdp=None, masters=None):
+def data_parallel(model, layout: Layout, parallel: ParallelOptions, make_adamw, fsdp=None,
+                  masters=None):
     """The last wrapping: (gradient sync, optimizer) for parallel.zero.
 
     `make_adamw(decay_params, no_decay_params)` builds the optimizer over whatever this stage

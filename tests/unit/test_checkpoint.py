@@ -10,9 +10,9 @@ import torch
 from configs import tiny_config
 from moepar.checkpoint import (CheckpointError, complete_steps, load_checkpoint,
                                recover_interrupted, save_checkpoint, verify_checkpoint)
-from moepar.config import ParallelConfig, load_config
+from moepar.config import load_config
 from moepar.layers import ModelConfig, Transformer
-from moepar.parallel import Options, ParallelDims, parallelize
+from moepar.parallel import Options, ParallelDims, ParallelOptions, parallelize
 from moepar.tensorfile import file_digest
 from moepar.train import Trainer
 
@@ -27,7 +27,7 @@ def small_model():
                       moe_ffn_dim=8, num_experts=2, top_k=1, max_seq_len=8)
     layout = ParallelDims(1).bind(0, torch.device("cpu"))
     engine = parallelize(Transformer(cfg, seed=0), layout, Options(
-        ParallelConfig(), lambda decay, no_decay: torch.optim.AdamW(decay + no_decay)))
+        ParallelOptions(), lambda decay, no_decay: torch.optim.AdamW(decay + no_decay)))
     return engine, None
 
 
