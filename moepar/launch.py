@@ -137,6 +137,9 @@ def launch(nproc: int, argv: list[str], run_dir: str | None = None,
         os.environ.setdefault(*FRESH_STORE_ENV)
     args = torch_run.get_args_parser().parse_args([*launcher, "--module", "moepar"])
     args.training_script_args = list(argv)
+    # The workers inherit the environment: for them alone (restored on return, so a later
+    # launch from this process, e.g. torchrun started by a caller, never sees a stale pid).
+    before = os.environ.get(LAUNCHER_ENV)
     if one_node:
         os.environ[LAUNCHER_ENV] = str(os.getpid())  # the workers' rank 0: "your launcher holds it"
     started = time.time()
@@ -163,6 +166,11 @@ def launch(nproc: int, argv: list[str], run_dir: str | None = None,
         sys.stdout.flush()
         sys.stderr.flush()
         os._exit(code)
+    finally:
+        if before is None:
+            os.environ.pop(LAUNCHER_ENV, None)
+        else:
+            os.environ[LAUNCHER_ENV] = before
     return 0
 
 

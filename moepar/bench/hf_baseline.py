@@ -33,7 +33,10 @@ __all__ = ["bench_against_hf", "print_comparison", "hf_mixtral"]
 def hf_mixtral(cfg, experts_implementation: str | None = None):
     """transformers' MixtralForCausalLM with cfg.model's shapes (float32, freshly initialized);
     raises ValueError naming what Mixtral cannot express."""
-    from transformers import MixtralConfig, MixtralForCausalLM
+    try:
+        from transformers import MixtralConfig, MixtralForCausalLM
+    except ImportError:
+        raise ValueError("--against-hf needs transformers: pip install 'moepar[hf]'") from None
     problems = arch_problems(ARCHS["mixtral"], cfg.model, cfg.router)
     if cfg.router.capacity_factor is not None:
         problems.append(f"this model has router.capacity_factor={cfg.router.capacity_factor}; "

@@ -31,7 +31,7 @@ write_tensors patches it on the module below that calls it, not on this package)
     folders.py  complete_steps, latest_checkpoint, checkpoint_step, plan_recovery (applied
                 by recover_interrupted), set_aside, discard: what is committed, and never moving
                 or deleting a folder moepar did not write (its marker)
-    load.py     load_checkpoint (read planning, hash checks, all-or-nothing), verify_checkpoint,
+    load.py     load_checkpoint (read planning, hash checks, all-or-nothing), verify_checkpoint, verify_listed,
                 read_state, canonical_names, read_canonical
 """
 
@@ -39,10 +39,10 @@ from moepar.checkpoint.base import FORMAT, INDEX, MANIFEST, STATE, CheckpointErr
 from moepar.checkpoint.folders import (checkpoint_step, complete_steps, discard, latest_checkpoint,
                                        plan_recovery, recover_interrupted, set_aside)
 from moepar.checkpoint.load import (canonical_names, load_checkpoint, read_canonical, read_state,
-                                    verify_checkpoint)
+                                    verify_checkpoint, verify_listed)
 from moepar.checkpoint.save import PendingSave, commit, save_checkpoint
 
 __all__ = ["save_checkpoint", "PendingSave", "load_checkpoint", "latest_checkpoint", "complete_steps",
-           "verify_checkpoint", "commit", "recover_interrupted", "checkpoint_step",
+           "verify_checkpoint", "verify_listed", "commit", "recover_interrupted", "checkpoint_step",
            "CheckpointError", "read_canonical", "canonical_names", "read_state", "discard",
            "set_aside", "plan_recovery", "MANIFEST", "INDEX", "STATE", "FORMAT"]

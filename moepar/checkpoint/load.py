@@ -352,6 +352,16 @@ def _read_rng(ckpt: _Checkpoint, file: str) -> dict:
     return states
 
 
+def verify_listed(path: str, name: str) -> bool:
+    """Whether the checkpoint's manifest lists file `name`, checked against its hashes if so
+    (CheckpointError when it does not match); an unlisted file is not the checkpoint's."""
+    ckpt = _Checkpoint(path)
+    if name not in ckpt.files:
+        return False
+    ckpt.verify(name)
+    return True
+
+
 def verify_checkpoint(path: str) -> dict:
     """Checks the manifest and every file's hashes; returns the manifest's files or raises."""
     ckpt = _Checkpoint(path)

@@ -10,19 +10,18 @@ none: a model that fits several, or none, is refused with the choices and the fl
 """
 
 import argparse
-import json
 import os
 import sys
 
 import torch
 
-from moepar.checkpoint import read_state
+from moepar.checkpoint import read_state, verify_listed
 from moepar.infer.source import SourceError, resolve_source
 from moepar.layers.model import ModelConfig
 from moepar.layers.router import RouterConfig
 
 from . import arch
-from .arch import ARCHS, ConversionError, arch_problems
+from .arch import ARCHS, ConversionError, arch_problems, load_config_json
 from .convert import hf_to_moepar, moepar_to_hf
 
 __all__ = ["main", "build_parser"]
@@ -90,11 +89,11 @@ def export_arch(ckpt: str, log=print) -> str | None:
     """The architecture to write when --arch is not given: None (the source's own, a converted
     HF model's), or the one architecture the model fits; several or none is an error that names
     the choices and --arch."""
-    hf_config = os.path.join(ckpt, "hf_config.json")
-    if os.path.isfile(hf_config):
-        with open(hf_config) as f:
-            if isinstance(json.load(f).get("model_type"), str):
-                return None
+    # The source's config.json, only when the checkpoint lists it (hash-checked) and through
+    # the shared loader; an unlisted one is not read (moepar_to_hf says so).
+    if verify_listed(ckpt, "hf_config.json"):
+        load_config_json(os.path.join(ckpt, "hf_config.json"))   # refuses by name, or a model_type
+        return None
     try:
         config = read_state(ckpt)["config"]
         model, router = ModelConfig(**config["model"]), RouterConfig(**config["router"])

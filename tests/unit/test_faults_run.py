@@ -35,12 +35,13 @@ def config_file(tmp_path, run_dir, *overrides, name="run.toml") -> str:
 
 
 def poison_from(trainer, step: int):
-    """NaN logits (so a NaN loss and grad norm) from 1-based step `step` on."""
+    """A NaN loss (or NaN logits) and so a NaN grad norm from 1-based step `step` on: the
+    model's output, the loss itself when the runner passes its `head_fn`, poisoned."""
     real = trainer.model.forward
 
-    def forward(tokens):
-        logits, outs = real(tokens)
-        return (logits * float("nan") if trainer.step + 1 >= step else logits), outs
+    def forward(tokens, *args, **kwargs):
+        out, outs = real(tokens, *args, **kwargs)
+        return (out * float("nan") if trainer.step + 1 >= step else out), outs
     trainer.model.forward = forward
 
 
