@@ -255,13 +255,13 @@ def check_plain(module: str):
 
 
 def check_bench(argv: list[str]):
-    """As moepar bench's main: `traffic` takes config overrides after its options; the other
-    benchmarks refuse anything their parser does not know."""
+    """As moepar bench's main: `traffic` and `train` take config overrides after their options;
+    the other benchmarks refuse anything their parser does not know."""
     from moepar.bench import build_parser
     parser = build_parser()
     sub = _subparser(parser, argv)
     args, rest = _parse(parser, substitute(argv, sub or parser), known=True)
-    if args.what == "traffic":
+    if args.what in ("traffic", "train"):
         _overrides(args.config, rest)
         return
     assert not rest, f"moepar bench: unrecognized arguments: {rest}"
