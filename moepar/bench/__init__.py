@@ -182,7 +182,7 @@ def main(argv: list[str]) -> int:
         try:
             cfg = load_config(args.config, [*overrides, f"--train.device={args.device}"])
             if args.against_hf:
-                hf_baseline.hf_mixtral(cfg)   # refuses a model Mixtral cannot run, before any step
+                hf_baseline.check_mixtral(cfg)   # refuses what Mixtral cannot run, first
         except ValueError as e:
             print(f"moepar bench train: {e}", file=sys.stderr)
             return 2

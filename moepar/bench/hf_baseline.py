@@ -27,14 +27,14 @@ from moepar.bench.train import flops_per_token, sync_device
 from moepar.hf.arch import ARCHS, arch_problems, hf_config_dict
 from moepar.train import Trainer
 
-__all__ = ["bench_against_hf", "print_comparison", "hf_mixtral"]
+__all__ = ["bench_against_hf", "print_comparison", "hf_mixtral", "check_mixtral"]
 
 
-def hf_mixtral(cfg, experts_implementation: str | None = None):
-    """transformers' MixtralForCausalLM with cfg.model's shapes (float32, freshly initialized);
-    raises ValueError naming what Mixtral cannot express."""
+def check_mixtral(cfg):
+    """Raises ValueError naming what transformers' Mixtral cannot run of cfg (or that
+    transformers is missing); builds nothing."""
     try:
-        from transformers import MixtralConfig, MixtralForCausalLM
+        import transformers  # noqa: F401  (only whether it is installed)
     except ImportError:
         raise ValueError("--against-hf needs transformers: pip install 'moepar[hf]'") from None
     problems = arch_problems(ARCHS["mixtral"], cfg.model, cfg.router)
@@ -44,6 +44,13 @@ def hf_mixtral(cfg, experts_implementation: str | None = None):
     if problems:
         raise ValueError("--against-hf compares with transformers' Mixtral, which cannot run "
                          "this model:\n  " + "\n  ".join(problems))
+
+
+def hf_mixtral(cfg, experts_implementation: str | None = None):
+    """transformers' MixtralForCausalLM with cfg.model's shapes (float32, freshly initialized);
+    raises ValueError naming what Mixtral cannot express."""
+    check_mixtral(cfg)
+    from transformers import MixtralConfig, MixtralForCausalLM
     fields = hf_config_dict(ARCHS["mixtral"], cfg.model, cfg.router)
     fields.update(output_router_logits=cfg.router.balance_coeff > 0, use_cache=False,
                   router_jitter_noise=0.0, attention_dropout=0.0)
