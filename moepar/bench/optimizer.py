@@ -8,7 +8,7 @@ import tempfile
 import time
 
 from moepar.bench.ticker import Ticker
-from moepar.bench.train import sync_device
+from moepar.bench.train import alternate, sync_device
 from moepar.train import Trainer
 
 __all__ = ["bench_optimizer", "print_result", "OPTIMIZERS"]
@@ -41,19 +41,11 @@ def bench_optimizer(cfg, steps: int = 5, warmup: int = 1) -> dict:
     with tempfile.TemporaryDirectory() as tmp:
         trainers = {name: _trainer(cfg, name, warmup + steps, tmp) for name in OPTIMIZERS}
         device = trainers["adamw"].device
-        step_s = {name: [] for name in OPTIMIZERS}
-        tick = Ticker("optimizer", warmup, steps)
-        for step in range(warmup + steps):
-            for name, trainer in trainers.items():
-                sync_device(device)
-                start = time.perf_counter()
-                trainer.train_step()
-                sync_device(device)
-                step_s[name].append(time.perf_counter() - start)
-            tick(step + 1)
+        runs = {name: trainer.train_step for name, trainer in trainers.items()}
+        step_s = alternate(runs, device, warmup, steps, Ticker("optimizer", warmup, steps))
         out = {"device": str(device), "dtype": cfg.train.dtype, "steps": steps}
         for name, trainer in trainers.items():
-            out[f"{name}_step_ms"] = 1000 * statistics.median(step_s[name][warmup:])
+            out[f"{name}_step_ms"] = 1000 * statistics.median(step_s[name])
             out[f"{name}_optimizer_ms"] = 1000 * statistics.median(
                 trainer.optimizer_seconds[warmup:])
     out["muon_over_adamw_step"] = out["muon_step_ms"] / out["adamw_step_ms"]
