@@ -93,7 +93,7 @@ def build_engine(cfg: RunConfig, layout, device, num_local_micro: int, materiali
         model = Transformer(cfg.model, cfg.router, seed=t.seed)
     model = model.to(PARAM_DTYPES[t.dtype])
     options = Options(ParallelOptions.of(cfg.parallel), adamw_factory(t, fused=device.type == "cuda"),
-                      make_muon=muon_factory(t), num_micro=num_local_micro, vocab_size=cfg.model.vocab_size,
+                      make_muon=muon_factory(t), qk_clip=t.qk_clip, num_micro=num_local_micro, vocab_size=cfg.model.vocab_size,
                       seq_len=t.seq_len, recompute=t.recompute,
                       compile=t.compile, compile_backend=t.compile_backend,
                       compute_dtype=COMPUTE_DTYPES.get(t.dtype), fp32_residual=t.fp32_residual,

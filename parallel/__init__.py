@@ -31,6 +31,7 @@ from .pipeline import apply_pp
 from .pipeline_runner import PipelineRunner
 from .placement import materialize
 from .precision import Masters, Precision
+from .qkclip import QKClip
 from .tensor import apply_tp
 from .zero import FullyShardedSync, ShardedAdamW, ZeroReducer
 
@@ -66,6 +67,7 @@ class Options:
     parallel: ParallelOptions          # the [parallel] choices (zero, dispatcher, pp_schedule, ...)
     make_optimizer: Callable           # (decay parameters, no-decay parameters) -> optimizer
     make_muon: Callable | None = None  # train.optimizer="muon": (muon, decay, no-decay, layouts)
+    qk_clip: float = 0.0               # MuonClip's tau (qkclip.py); 0: off
     num_micro: int = 1                 # micro-batches per step on each data-parallel rank
     vocab_size: int = 0
     seq_len: int | None = None
@@ -128,8 +130,11 @@ def parallelize(model, layout: Layout, options: Options) -> ParallelModel:
         else:
             runner = LocalRunner(model, options.num_micro, loss_fn, autocast=precision.autocast,
                                  balance_group=layout.group("dp"))
+    qk_clip = None
+    if options.qk_clip > 0 and runner is not None:
+        qk_clip = QKClip(model, options.qk_clip, masters, layout.group("dp"), layout.device)
     return ParallelModel(model, layout, canonical, moe_layer_ids, p.zero, options.num_micro,
-                         sync, optimizer, runner, masters, precision, compiled)
+                         sync, optimizer, runner, masters, precision, compiled, qk_clip)
 
 
 class LocalSync:
