@@ -23,4 +23,5 @@ def track_max_logits(module, q_BHSd, k_BGSd, scale: float | None = None):
     future_SS = torch.ones(seq, seq, dtype=torch.bool, device=q_BHSd.device).triu(1)
     scores_BHSS.masked_fill_(future_SS, float("-inf"))
     seen_H = scores_BHSS.amax(dim=(0, 2, 3)).to(module.max_logit_H.dtype)
-    module.max_logit_H = torch.maximum(module.max_logit_H, seen_H)
+    # in place: the same tensor from step to step (a compiled region sees no new attribute)
+    torch.maximum(module.max_logit_H, seen_H, out=module.max_logit_H)

@@ -46,8 +46,9 @@ class QKClip:
 
     def reset(self):
         for m in self.attention:
-            m.max_logit_H = torch.full((m.num_heads,), float("-inf"), dtype=torch.float64,
-                                       device=self.device)
+            if m.max_logit_H is None:
+                m.max_logit_H = torch.empty(m.num_heads, dtype=torch.float64, device=self.device)
+            m.max_logit_H.fill_(float("-inf"))
 
     def max_logits(self) -> torch.Tensor:
         """Every local head's maximum over the step and every dp rank (float64, on the device)."""
