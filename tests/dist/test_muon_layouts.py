@@ -56,6 +56,7 @@ LAYOUTS = [
     (2, ["--parallel.ep=1", "--parallel.zero=1", "--parallel.bucket_mb=0.002"]),   # dp2 zero1
     (2, ["--parallel.tp=2", "--parallel.ep=1"]),                                    # tp2
     (2, ["--parallel.ep=2", "--parallel.zero=3"]),                                  # dp2 ep2 zero3
+    (2, ["--parallel.pp=2", "--parallel.ep=1"]),     # a stage's matrices alone; one layer each
 ]
 
 
