@@ -66,6 +66,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--gpus-per-node", type=int, default=0,
                    help="ranks per (pretend) node: adds the hierarchical dispatcher and the bytes "
                         "that leave each node (0: one node)")
+    p.add_argument("--n-group", type=int, default=1,
+                   help="expert groups of group-limited routing (router.n_group)")
+    p.add_argument("--topk-group", type=int, default=1,
+                   help="groups each token may use (router.topk_group)")
     p.add_argument("--a2a-chunks", type=int, default=1,
                    help="expert chunks pipelined between the all-to-alls (parallel.a2a_chunks)")
     _timing_options(p)

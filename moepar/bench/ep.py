@@ -91,8 +91,9 @@ def _setup(ep: int, experts: int, gpus_per_node: int = 0):
 def _moe(args, dtype, rank, dims, meshes, dispatcher="alltoall"):
     """The EP layer with an A2ATimer on its dispatcher (all-to-all dispatchers)."""
     torch.manual_seed(0)   # same router and experts on every rank before sharding
+    groups = dict(n_group=getattr(args, "n_group", 1), topk_group=getattr(args, "topk_group", 1))
     moe = MoE(args.dim, args.ffn_dim, args.experts, args.top_k, aux_loss_scale=1.0,
-              balance_coeff=0.01).to(dtype)
+              balance_coeff=0.01, **groups).to(dtype)
     moe = apply_ep(moe, dims, meshes, rank, dispatcher)
     if dispatcher == "alltoall" and args.a2a_chunks > 1:
         moe.dispatcher = AllToAllDispatcher(args.experts, meshes.group("ep"),
@@ -136,14 +137,15 @@ def _counted_node_bytes(moe, x, args, esize: int, ranks: int) -> dict:
 
 def bench_dispatch(args, dtype) -> dict:
     rank, dims, meshes = _setup(args.ep, args.experts, args.gpus_per_node)
-    ranks = node_layout(args.ep, dims.gpus_per_node, args.experts)
+    ranks = node_layout(args.ep, dims.gpus_per_node, args.experts, args.n_group)
     gen = torch.Generator().manual_seed(1000 + rank)
     x = torch.randn(args.tokens, args.dim, dtype=dtype, generator=gen, requires_grad=True)
     grad = torch.randn(args.tokens, args.dim, dtype=dtype, generator=gen)
     esize = torch.tensor([], dtype=dtype).element_size()
     minimum = 2 * args.top_k * args.dim * esize * (args.ep - 1) / args.ep
     out = {"ep": args.ep, "tokens_per_rank": args.tokens, "dim": args.dim, "experts": args.experts,
-           "top_k": args.top_k, "dtype": args.dtype, "min_bytes_per_token": minimum, "cases": {}}
+           "top_k": args.top_k, "n_group": args.n_group, "topk_group": args.topk_group,
+           "dtype": args.dtype, "min_bytes_per_token": minimum, "cases": {}}
     names = ("alltoall", "dedup", "allgather") + (("hierarchical",) if ranks < args.ep else ())
     if ranks < args.ep:
         out["gpus_per_node"] = ranks
@@ -262,7 +264,8 @@ def launched() -> bool:
 
 def print_dispatch(result: dict):
     print(f"dispatch ep={result['ep']} T={result['tokens_per_rank']}/rank D={result['dim']} "
-          f"E={result['experts']} k={result['top_k']} {result['dtype']}; minimum "
+          f"E={result['experts']} k={result['top_k']} groups {result['topk_group']} of "
+          f"{result['n_group']} {result['dtype']}; minimum "
           f"{result['min_bytes_per_token']:.0f} bytes/token (k*D*bytes*(ep-1)/ep, both ways)")
     print(f"  {'dispatcher':16s} {'ms':>8s} {'bytes/token':>12s} {'vs min':>7s} {'incl. ids':>10s} "
           f"{'a2a total':>10s} {'exposed':>8s} {'of step':>8s}")
