@@ -99,6 +99,15 @@ class HierarchicalDispatcher:
         self.inner = DedupAllToAllDispatcher(num_experts, group, layer_id, debug)
         self.timer = None
 
+    @property
+    def timer(self):
+        """An A2ATimer (benchmarks) clocking every all-to-all, the fan-out's included."""
+        return self.inner.timer
+
+    @timer.setter
+    def timer(self, timer):
+        self.inner.timer = timer
+
     def dispatch(self, x_TD: torch.Tensor, routing: Routing):
         """Node counts (sync 1), rows to the relays and the ids (blocking), then the relay's
         fan-out inside the node (dedup: sync 2, its rows in flight: (x_QD,))."""

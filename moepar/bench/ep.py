@@ -98,7 +98,7 @@ def _moe(args, dtype, rank, dims, meshes, dispatcher="alltoall"):
     if dispatcher == "alltoall" and args.a2a_chunks > 1:
         moe.dispatcher = AllToAllDispatcher(args.experts, meshes.group("ep"),
                                             chunks=args.a2a_chunks)
-    if dispatcher in ("alltoall", "dedup"):
+    if dispatcher in ("alltoall", "dedup", "hierarchical"):
         moe.dispatcher.timer = A2ATimer()
     return moe
 
