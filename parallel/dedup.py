@@ -93,12 +93,16 @@ def sort_pairs(dest_N, token_N, num_tokens: int, num_dest: int):
 class DedupAllToAllDispatcher:
     """Same methods as `LocalDispatcher` (one chunk). `timer`: see AllToAllDispatcher."""
 
-    def __init__(self, num_experts: int, group, layer_id: int = 0, debug: bool = False):
+    def __init__(self, num_experts: int, group, layer_id: int = 0, debug: bool = False,
+                 max_ranks: int = 0):
         self.num_experts, self.group, self.layer_id, self.debug = num_experts, group, layer_id, debug
         # The split check is bound here (parallel.debug_splits), never asked for in forward.
         self._check = split_check(debug, group, layer_id)
         self.ep = group_size(group)
         self.num_local = num_experts // self.ep
+        # A bound on the ranks one token reaches (0: ep); the hierarchical relay's is its node's
+        # ranks. It sizes the slot table of the final sum: one gather and add per slot.
+        self.max_ranks = max_ranks or self.ep
         self.timer = None
 
     def dispatch(self, x_TD: torch.Tensor, routing: Routing):
@@ -125,7 +129,7 @@ class DedupAllToAllDispatcher:
         # Sums over a token's copies run slot by slot (deterministic, see segment_slots): a token
         # has at most one pair per rank and one assignment per expert, and at most K of each.
         k = routing.top_k or self.num_experts
-        pairs_of_token_TM = segment_slots(pair_token_Q, num_tokens, min(k, P))
+        pairs_of_token_TM = segment_slots(pair_token_Q, num_tokens, min(k, self.max_ranks))
         rows_in = flight(recv_rows, send_rows, self.group, self.timer)
         x_QD = all_to_all_start(to_wire(gather_rows(x_TD, pair_token_Q, pairs_of_token_TM)),
                                 rows_in)

@@ -96,7 +96,8 @@ class HierarchicalDispatcher:
         self.ranks_per_node, self.nodes = ranks_per_node, self.ep // ranks_per_node
         self.per_node = num_experts // self.nodes           # experts on one node
         self.local_index = ep_rank % ranks_per_node     # my relay in every node has it too
-        self.inner = DedupAllToAllDispatcher(num_experts, group, layer_id, debug)
+        self.inner = DedupAllToAllDispatcher(num_experts, group, layer_id, debug,
+                                             max_ranks=ranks_per_node)
         self.timer = None
 
     @property
