@@ -11,6 +11,7 @@ from moepar.config import RunConfig
 from moepar.layers import Transformer
 from moepar.parallel import Options, ParallelDims, ParallelOptions, parallelize
 from moepar.parallel.adamw import AdamW
+from moepar.parallel.hierarchical import node_layout
 from moepar.parallel.muon import Muon
 from moepar.parallel.schedules import check_schedule
 
@@ -66,6 +67,8 @@ def build_dims(cfg: RunConfig, world_size: int) -> ParallelDims:
     node = p.gpus_per_node or int(os.environ.get("LOCAL_WORLD_SIZE", 0))
     dims = ParallelDims.resolve(world_size, p.pp, p.dp, p.tp, p.ep, cfg.model.num_experts,
                                 gpus_per_node=node if node < world_size else 0)
+    if p.dispatcher == "hierarchical":     # the nodes the launcher gave, before any collective
+        node_layout(dims.ep, dims.gpus_per_node, cfg.model.num_experts, cfg.router.n_group)
     t = cfg.train
     if t.global_batch_size % (t.micro_batch_size * dims.dp):
         raise ValueError(f"train.global_batch_size={t.global_batch_size} must be a multiple of "

@@ -21,6 +21,7 @@ from moepar.layers.router import RouterConfig, check_number
 from moepar.parallel.checkpointing import RECOMPUTE
 from moepar.parallel.compile import COMPILE_BACKENDS
 from moepar.parallel.expert import DISPATCHERS
+from moepar.parallel.hierarchical import node_layout
 from moepar.parallel.pipeline import split_layers
 from moepar.parallel.schedules import SCHEDULES
 from moepar.parallel.tensor import check_tp
@@ -56,7 +57,7 @@ class ParallelConfig:
     pp: int = 1
     ep: int = 1
     zero: int = 0                # 0 DDP; ZeRO 1 (optimizer state), 2 (+ gradients), 3 (+ parameters)
-    dispatcher: str = "alltoall"  # under ep > 1: alltoall, dedup (a token once per EP rank), allgather
+    dispatcher: str = "alltoall"  # ep > 1: alltoall, dedup (once per EP rank), allgather, hierarchical (once per node)
     debug_splits: bool = False   # check all-to-all split sizes across ranks (raises, never hangs)
     a2a_chunks: int = 1          # alltoall: expert chunks pipelined between async all-to-alls
     backend: str = "auto"        # process group backend: auto (nccl on CUDA, else gloo), gloo, nccl
@@ -336,6 +337,8 @@ class RunConfig:
                 raise ValueError(f"router.type={self.router.type!r} with parallel.tp={p.tp} is not "
                                  "supported (each expert would need every slice's scores); use "
                                  "router.type='topk'")
+        if p.dispatcher == "hierarchical" and p.gpus_per_node:   # (0: the launcher's, build_dims)
+            node_layout(p.ep, p.gpus_per_node, self.model.num_experts, self.router.n_group)
         if p.pp == 1 and p.pp_virtual > 1:
             raise ValueError(f"parallel.pp_virtual={p.pp_virtual} needs parallel.pp > 1")
         if self.train.qk_clip > 0 and self.model.qk_norm != "none":

@@ -45,7 +45,7 @@ class ParallelOptions:
     """The choices of a run's [parallel] section that `parallelize` reads (moepar/build.py copies
     them from the validated config; parallel/ never imports moepar's config)."""
     zero: int = 0                      # 0 DDP; ZeRO 1, 2, 3 (zero.py)
-    dispatcher: str = "alltoall"       # under ep > 1: alltoall, dedup, allgather (expert.py)
+    dispatcher: str = "alltoall"       # under ep > 1: alltoall, dedup, allgather, hierarchical
     debug_splits: bool = False         # check all-to-all split sizes across ranks
     a2a_chunks: int = 1                # alltoall: expert chunks pipelined between all-to-alls
     bucket_mb: float = 25.0            # gradient buckets reduced while backward runs

@@ -64,6 +64,13 @@ def build_parser() -> argparse.ArgumentParser:
                                    "against the minimum, and the all-to-all share of the time.")
     _layer_options(p)
     p.add_argument("--ep", type=int, required=True, help="expert-parallel processes (>= 2)")
+    p.add_argument("--gpus-per-node", type=int, default=0,
+                   help="ranks per (pretend) node: adds the hierarchical dispatcher and the bytes "
+                        "that leave each node (0: one node)")
+    p.add_argument("--n-group", type=int, default=1,
+                   help="expert groups of group-limited routing (router.n_group)")
+    p.add_argument("--topk-group", type=int, default=1,
+                   help="groups each token may use (router.topk_group)")
     p.add_argument("--a2a-chunks", type=int, default=1,
                    help="expert chunks pipelined between the all-to-alls (parallel.a2a_chunks)")
     _timing_options(p)
@@ -223,6 +230,9 @@ def main(argv: list[str]) -> int:
         return 0
     if args.what == "dispatch" and args.ep < 2:
         parser.error("dispatch needs --ep >= 2")
+    if args.what == "dispatch" and (args.gpus_per_node < 0 or (
+            0 < args.gpus_per_node < args.ep and args.ep % args.gpus_per_node)):
+        parser.error(f"--gpus-per-node {args.gpus_per_node} must divide --ep {args.ep}")
     if args.ep > 1 or args.what == "dispatch":
         if args.experts % args.ep:
             parser.error(f"--experts {args.experts} must be divisible by --ep {args.ep}")
