@@ -12,9 +12,10 @@ from moepar.layers import Transformer
 from moepar.parallel import Options, ParallelDims, ParallelOptions, parallelize
 from moepar.parallel.adamw import AdamW
 from moepar.parallel.hierarchical import node_layout
+from moepar.parallel.muon import Muon
 from moepar.parallel.schedules import check_schedule
 
-__all__ = ["build_dims", "build_engine", "adamw_factory", "PARAM_DTYPES", "COMPUTE_DTYPES",
+__all__ = ["build_dims", "build_engine", "adamw_factory", "muon_factory", "PARAM_DTYPES", "COMPUTE_DTYPES",
            "STATE_DTYPES"]
 
 # The masters (what the optimizer steps and checkpoints hold) per train.dtype, and the compute
@@ -40,6 +41,23 @@ def adamw_factory(cfg, fused: bool = False):
         kind = {"fused": True} if fused and state_dtype is None else {"foreach": True}
         return AdamW(groups, lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), eps=cfg.eps,
                      state_dtype=state_dtype, **kind)
+    return make
+
+
+def muon_factory(cfg):
+    """make_muon(muon, decay, no_decay, layouts) for train.optimizer="muon", else None: Muon on
+    the matrices (weight decay), AdamW on the embedding and head (decay) and 1-D parameters
+    (none), one learning rate (parallel/muon.py)."""
+    if cfg.optimizer != "muon":
+        return None
+
+    def make(muon, decay, no_decay, layouts):
+        groups = [{"params": muon, "weight_decay": cfg.weight_decay, "muon": True},
+                  {"params": decay, "weight_decay": cfg.weight_decay},
+                  {"params": no_decay, "weight_decay": 0.0}]
+        return Muon(groups, layouts, lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), eps=cfg.eps,
+                    momentum=cfg.muon_momentum, nesterov=cfg.muon_nesterov,
+                    ns_steps=cfg.muon_ns_steps)
     return make
 
 
@@ -78,7 +96,7 @@ def build_engine(cfg: RunConfig, layout, device, num_local_micro: int, materiali
         model = Transformer(cfg.model, cfg.router, seed=t.seed)
     model = model.to(PARAM_DTYPES[t.dtype])
     options = Options(ParallelOptions.of(cfg.parallel), adamw_factory(t, fused=device.type == "cuda"),
-                      num_micro=num_local_micro, vocab_size=cfg.model.vocab_size,
+                      make_muon=muon_factory(t), qk_clip=t.qk_clip, num_micro=num_local_micro, vocab_size=cfg.model.vocab_size,
                       seq_len=t.seq_len, recompute=t.recompute,
                       compile=t.compile, compile_backend=t.compile_backend,
                       compute_dtype=COMPUTE_DTYPES.get(t.dtype), fp32_residual=t.fp32_residual,

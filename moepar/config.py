@@ -126,6 +126,11 @@ class TrainConfig:
     grad_clip: float = 1.0         # max global grad norm; 0 disables clipping
     dtype: str = "float32"         # float32, bfloat16 or float16 (float32 masters), float64 (exact tests)
     optim_state_dtype: str = "float32"  # AdamW moments: float32, or bfloat16 (half the state; maths stays float32)
+    optimizer: str = "adamw"       # adamw, or muon (matrices; AdamW for embedding, head, 1-D: docs/optimizers.md)
+    muon_momentum: float = 0.95    # muon: momentum of the buffer Newton-Schulz orthogonalizes
+    muon_nesterov: bool = True     # muon: orthogonalize the Nesterov blend of gradient and momentum
+    muon_ns_steps: int = 5         # muon: Newton-Schulz iterations (coefficients 3.4445, -4.7750, 2.0315)
+    qk_clip: float = 0.0           # MuonClip's tau (Kimi K2: 100): clip W_q, W_k of heads whose max logit passed it; 0 off
     fp32_residual: bool = False    # bfloat16/float16: keep the residual stream float32 (autocast at matmuls)
     loss_scale: float = 0.0        # float16: initial dynamic scale (0: 2^16); else > 0: fixed scale
     activation_checkpointing: bool = False  # the older spelling of recompute = "full"
@@ -153,6 +158,16 @@ class TrainConfig:
         if self.optim_state_dtype not in OPTIM_STATE_DTYPES:
             raise ValueError(f"train.optim_state_dtype={self.optim_state_dtype!r} is not one of "
                              f"{OPTIM_STATE_DTYPES} (the dtype AdamW stores its moments in)")
+        if self.optimizer not in ("adamw", "muon"):
+            raise ValueError(f"train.optimizer={self.optimizer!r} is not one of 'adamw', 'muon'")
+        if self.optimizer == "muon" and self.optim_state_dtype != "float32":
+            raise ValueError(f"train.optim_state_dtype={self.optim_state_dtype!r} is for AdamW "
+                             "alone; train.optimizer='muon' keeps its state float32")
+        if not 0 <= self.muon_momentum < 1:
+            raise ValueError(f"train.muon_momentum={self.muon_momentum} must be in [0, 1)")
+        check_number("train.qk_clip", self.qk_clip)
+        if not 1 <= self.muon_ns_steps <= 20:
+            raise ValueError(f"train.muon_ns_steps={self.muon_ns_steps} must be in [1, 20]")
         if self.device not in ("auto", "cpu", "cuda"):
             raise ValueError(f"train.device={self.device!r} is not one of 'auto', 'cpu', 'cuda'")
         if self.recompute not in RECOMPUTE:
@@ -326,6 +341,10 @@ class RunConfig:
             node_layout(p.ep, p.gpus_per_node, self.model.num_experts, self.router.n_group)
         if p.pp == 1 and p.pp_virtual > 1:
             raise ValueError(f"parallel.pp_virtual={p.pp_virtual} needs parallel.pp > 1")
+        if self.train.qk_clip > 0 and self.model.qk_norm != "none":
+            raise ValueError(f"train.qk_clip={self.train.qk_clip} with model.qk_norm="
+                             f"{self.model.qk_norm!r}: the q/k norm undoes the clip's scaling of "
+                             "W_q and W_k; set one of them off")
         if self.train.seq_len > self.model.max_seq_len:
             raise ValueError(f"train.seq_len={self.train.seq_len} exceeds model.max_seq_len="
                              f"{self.model.max_seq_len}")
