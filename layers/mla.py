@@ -53,9 +53,10 @@ class MLA(nn.Module):
         yarn = cfg.yarn   # None: SDPA's own (N + R)^-0.5
         self.softmax_scale = qk_dim ** -0.5 * yarn.softmax_scale_factor if yarn else None
 
-    def forward(self, x_BSD, cos_SR, sin_SR, cache: LayerCache | None = None):
+    def forward(self, x_BSD, cos_SR, sin_SR, cache: LayerCache | None = None, mask=None):
         """`cache` (decoding): x_BSD holds the S positions after the cached ones, cos/sin are
-        theirs; the cache keeps each position's normalised kv latent and rotated key part."""
+        theirs; the cache keeps each position's normalised kv latent and rotated key part.
+        `mask` [B, 1, S, S] (packed documents, layers/documents.py): in place of causal."""
         batch, seq, _ = x_BSD.shape
         q = self.q_b_proj(self.q_a_norm(self.q_a_proj(x_BSD))) if self.q_lora else self.q_proj(x_BSD)
         q_BHSq = q.view(batch, seq, self.num_heads, -1).transpose(1, 2)
@@ -75,8 +76,8 @@ class MLA(nn.Module):
         k_nope, v_BHSV = kv_BHSx.split([self.nope, self.v_dim], dim=-1)
         q_BHSq = torch.cat([q_nope, q_rot], dim=-1)
         k_BHSq = torch.cat([k_nope, k_rot_B1SR.expand(-1, self.num_heads, -1, -1)], dim=-1)
-        o_BHSV = F.scaled_dot_product_attention(q_BHSq, k_BHSq, v_BHSV, is_causal=True,
-                                               scale=self.softmax_scale)
+        o_BHSV = F.scaled_dot_product_attention(q_BHSq, k_BHSq, v_BHSV, attn_mask=mask,
+                                               is_causal=mask is None, scale=self.softmax_scale)
         return self.o_proj(o_BHSV.transpose(1, 2).reshape(batch, seq, -1))
 
     def _latent_attention(self, q_nope_BHSN, q_rot_BHSR, kv_BLC, k_rot_BLR, start: int):
