@@ -72,15 +72,16 @@ class ParallelModel:
             hook = self.sync.after_backward if after else self.sync.before_backward
             hook(action.micro == self.num_micro - 1, action == self._final_backward)
 
-    def forward_backward(self, inputs: list, targets: list, stats) -> torch.Tensor:
+    def forward_backward(self, inputs: list, targets: list, stats, **packed) -> torch.Tensor:
         """This rank's micro-batches of one step, gradients synced; adds each micro-batch's MoE
         statistics to `stats`; returns the sum of their losses (under pp: on the last stage,
-        zero elsewhere; `finish_step` sums it over pp)."""
+        zero elsewhere; `finish_step` sums it over pp). `packed` (data.pack, the local runner
+        only): `documents` per micro-batch and loss `weights` (LocalRunner.run)."""
         if self.layout.device.type == "cuda":    # pinned: the copies to the GPU are async
             inputs, targets = [t.pin_memory() for t in inputs], [t.pin_memory() for t in targets]
         loss_sum, moe_outputs = self.runner.run(
             inputs, targets, before_action=lambda a: self._around(a, False),
-            after_action=lambda a: self._around(a, True))
+            after_action=lambda a: self._around(a, True), **packed)
         for outs, balance in zip(moe_outputs, self.runner.balance_values, strict=True):
             stats.add(outs, self.moe_router_cfg, self.moe_indices, balance)
         return loss_sum

@@ -16,6 +16,7 @@ import numpy as np
 import torch
 
 from moepar.data.folder import PreparedFolder, is_prepared
+from moepar.data.packing import PackedSampler
 from moepar.data.tokens import WindowSampler, check_token_range, load_tokens, read_token_file
 
 __all__ = ["Source", "open_sources", "build_sampler", "BlendedSampler", "fingerprint",
@@ -158,7 +159,13 @@ def build_sampler(cfg):
             check_token_range(tokens, vocab, source.label if data.source == "tokens" else
                               f"data.source={data.source}")
     sources, tokens = [s for s, _ in opened], [t for _, t in opened]
-    if len(sources) == 1:
+    if data.pack == "documents":     # one prepared folder (config.py refuses the others)
+        if sources[0].folder is None:
+            raise ValueError(f"data.pack='documents': data.path={data.path!r} is not a folder "
+                             "from `moepar data prepare` (a token file records no documents)")
+        sampler = PackedSampler(sources[0].folder, tokens[0], t.seq_len, t.micro_batch_size,
+                                t.seed, vocab, sources[0].label, data.pad)
+    elif len(sources) == 1:
         name = sources[0].label if data.source == "tokens" else f"data.source={data.source}"
         sampler = WindowSampler(tokens[0], t.seq_len, t.micro_batch_size, t.seed, vocab, name)
     else:
