@@ -106,11 +106,12 @@ class ParallelModel:
         stats.add(outs[0], self.moe_router_cfg, self.moe_indices, runner.balance_values[0])
         return loss
 
-    def evaluate(self, inputs: list, targets: list) -> torch.Tensor:
+    def evaluate(self, inputs: list, targets: list, **packed) -> torch.Tensor:
         """The sum over every rank's micro-batches of their mean cross-entropy (float64, the same
         on every rank): forward only, no gradients, no statistics. Every rank passes its share
-        of the batches (pipeline ranks the same ones), as for a training step."""
-        loss_sum, _ = self.runner.run(inputs, targets, forward_only=True)
+        of the batches (pipeline ranks the same ones), as for a training step. `packed`: as
+        forward_backward's (the micro-batches' documents and loss weights)."""
+        loss_sum, _ = self.runner.run(inputs, targets, forward_only=True, **packed)
         if self.zero == 3:      # FSDP2 keeps the root's parameters gathered after a forward, for
             self.model.reshard()  # the backward that would follow; none does: shard them again
         all_reduce_sum([loss_sum], self.layout.group("dp"))

@@ -21,13 +21,14 @@ def tiny_config(run_dir, *overrides):
 
 
 def packed_folder(tmp, num_docs: int, **options) -> str:
-    """A folder prepared (byte tokenizer, no validation split) from `num_docs` documents of
+    """A folder prepared (byte tokenizer; no validation split by default) from `num_docs` documents of
     9 to 45 bytes, for data.pack tests; `options`: more PrepareOptions fields. Returns its path."""
     text = "\n\n".join(f"doc {i}: " + "moe " * (i % 10) for i in range(num_docs))
     (tmp / "docs.txt").write_text(text)
     out = str(tmp / "docs")
-    prepare(PrepareOptions("bytes", [str(tmp / "docs.txt")], out, val_fraction=0.0,
-                           split_blank_lines=True, **options), stderr=open(os.devnull, "w"))
+    options.setdefault("val_fraction", 0.0)
+    prepare(PrepareOptions("bytes", [str(tmp / "docs.txt")], out, split_blank_lines=True,
+                           **options), stderr=open(os.devnull, "w"))
     return out
 
 
