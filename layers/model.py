@@ -197,10 +197,11 @@ class Block(nn.Module):
         balance loss (layers/balance.py); positional, as activation recompute passes it.
         `docs`: packed documents (layers/documents.py): attention mask, padding, documents."""
         # Only decoding passes a cache (parallel/tensor.py's sequence-parallel attention takes
-        # none), only packed documents a mask.
+        # none), only packed documents a mask; positional, as attention recompute passes them.
         extra = () if cache is None else (cache,)
-        masked = {} if docs is None else {"mask": docs.mask_B1SS}
-        h_BSD = x_BSD + self.attn(self.attn_norm(x_BSD), cos_SHd, sin_SHd, *extra, **masked)
+        if docs is not None:
+            extra = (cache, docs.mask_B1SS)
+        h_BSD = x_BSD + self.attn(self.attn_norm(x_BSD), cos_SHd, sin_SHd, *extra)
         if self.is_moe:
             slot = None if balance is None else balance.slot(self.layer_id)
             moe_out = self.ffn(self.ffn_norm(h_BSD), slot, *(() if docs is None else (docs,)))

@@ -344,10 +344,9 @@ class RunConfig:
         if self.parallel.backend == "nccl" and self.train.device == "cpu":
             raise ValueError("parallel.backend='nccl' with train.device='cpu': NCCL needs CUDA "
                              "tensors; use parallel.backend='gloo' (or auto)")
-        if self.data.pack != "none" and (p.tp > 1 or p.pp > 1):
-            raise ValueError(f"data.pack={self.data.pack!r} with parallel.tp={p.tp}, parallel.pp="
-                             f"{p.pp}: packed documents run with tp = 1 and pp = 1 for now "
-                             "(dp, ep and zero compose)")
+        if self.data.pack != "none" and p.tp > 1:
+            raise ValueError(f"data.pack={self.data.pack!r} with parallel.tp={p.tp}: packed "
+                             "documents run with tp = 1 for now (dp, ep, pp and zero compose)")
         if self.data.pad and self.router.type != "topk":
             raise ValueError(f"data.pad=true with router.type={self.router.type!r}: experts "
                              "would choose padding; use router.type='topk'")

@@ -1,6 +1,7 @@
-"""Packed documents with padding (data.pack='documents', data.pad=true) in a dp2 ep2 layout
-equal the single-process run in float64: losses (the mean over the global batch's counted
-tokens, whatever rank holds them), grad norms, aux losses, drops and the updated parameters."""
+"""Packed documents with padding (data.pack='documents', data.pad=true) in a dp2 ep2 layout and
+a pp2 layout equal the single-process run in float64: losses (the mean over the global batch's
+counted tokens, whatever rank holds them), grad norms, aux losses, drops and the updated
+parameters."""
 
 import math
 
@@ -25,9 +26,9 @@ def _records(trainer):
     return [(r["loss"], r["grad_norm"], r["aux_loss"], r["drop_fraction"]) for r in trainer.run()]
 
 
-def case_train(run_dir: str, data: str):
-    records = _records(Trainer(tiny_config(run_dir, *COMMON, f"--data.path={data}",
-                                           "--parallel.ep=2"), log=lambda _m: None))
+def case_train(run_dir: str, data: str, layout: list[str]):
+    records = _records(Trainer(tiny_config(run_dir, *COMMON, f"--data.path={data}", *layout),
+                               log=lambda _m: None))
     dist.barrier()
     return records
 
@@ -38,12 +39,18 @@ def data(tmp_path_factory):
     return packed_folder(tmp_path_factory.mktemp("packed_docs"), 80)
 
 
-def test_packed_dp2_ep2_equals_one_process(worlds, tmp_path, data):
-    ref = Trainer(tiny_config(tmp_path / "ref", *COMMON, f"--data.path={data}"),
+@pytest.fixture(scope="module")
+def single(tmp_path_factory, data):
+    ref = Trainer(tiny_config(tmp_path_factory.mktemp("ref"), *COMMON, f"--data.path={data}"),
                   log=lambda _m: None)
-    want = _records(ref)
+    return ref, _records(ref)
+
+
+@pytest.mark.parametrize("layout", [["--parallel.ep=2"], ["--parallel.pp=2"]], ids=str)
+def test_packed_layout_equals_one_process(worlds, tmp_path, data, single, layout):
+    ref, want = single
     run_dir = str(tmp_path / "run")
-    for got in worlds(2).run(case_train, run_dir, data, timeout=120):
+    for got in worlds(2).run(case_train, run_dir, data, layout, timeout=120):
         for step, (g_rec, w_rec) in enumerate(zip(got, want, strict=True), 1):
             for g, w in zip(g_rec, w_rec, strict=True):
                 assert math.isclose(g, w, rel_tol=1e-9, abs_tol=1e-12), (step, g_rec, w_rec)

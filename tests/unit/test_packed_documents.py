@@ -6,7 +6,8 @@ independent, in float64.
 - with padding, a router's statistics and losses (loads, drops, Switch, sequence and z losses,
   the deferred sums) equal those of the unpadded tokens alone;
 - the sequence balance loss of packed documents is the mean of each document's loss alone;
-- padding takes no capacity slot from a real token.
+- padding takes no capacity slot from a real token;
+- activation recompute keeps the documents (gradients equal to no recompute).
 """
 
 import pytest
@@ -17,6 +18,7 @@ from moepar.layers.balance import document_balance_loss, sequence_balance_loss
 from moepar.layers.documents import build_documents
 from moepar.layers.loss import linear_cross_entropy
 from moepar.layers.router import TopKRouter
+from moepar.parallel.checkpointing import apply_recompute
 
 _MLA = dict(attention="mla", kv_lora_rank=16, qk_nope_head_dim=8, qk_rope_head_dim=8,
             v_head_dim=8, num_kv_heads=4)
@@ -114,3 +116,22 @@ def test_document_balance_loss_is_the_mean_over_documents():
     want = sum(sequence_balance_loss(probs_TE[None, a:b], experts_TK[None, a:b])
                for a, b in spans) / 3
     assert abs(got.item() - want.item()) < 1e-14
+
+
+@pytest.mark.parametrize("mode", ["full", "attention"])
+def test_recompute_keeps_the_documents(mode):
+    """Activation recompute passes the documents' mask on (positionally, as it passes every
+    argument): the gradients equal those without recompute."""
+    gen = torch.Generator().manual_seed(6)
+    inputs = torch.randint(0, 64, (2, 12), generator=gen)
+    targets = torch.randint(0, 64, (2, 12), generator=gen)
+    documents = torch.tensor([[0] * 5 + [1] * 7, [0] * 9 + [-1] * 3])
+    targets[1, 9:] = -100
+    grads = []
+    for recompute in (None, mode):
+        model = _model("gqa")
+        if recompute:
+            apply_recompute(model, recompute)
+        _loss(model, inputs, targets, documents=documents).backward()
+        grads.append(torch.cat([p.grad.flatten() for p in model.parameters()]))
+    assert torch.allclose(grads[0], grads[1], rtol=1e-12, atol=1e-15)
