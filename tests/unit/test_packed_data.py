@@ -80,3 +80,17 @@ def test_padded_windows_hold_whole_documents(folder):
             if not real.all():     # the padding follows a whole document: an EOS before it
                 assert row_in[real][-1] == EOS
         assert (targets.numpy()[documents.numpy() < 0] == -100).all()
+
+
+@pytest.mark.parametrize("overrides, message", [
+    (["--data.pack=rows"], "data.pack='rows' is not one of"),
+    (["--data.pad=true"], "data.pad=true needs data.pack='documents'"),
+    (["--data.pack=documents", "--data.source=builtin"], "data.source='tokens' and data.path"),
+    (["--data.pack=documents", "--parallel.tp=2"], "parallel.tp=2"),
+    (["--data.pack=documents", "--data.pad=true", "--router.type=expert_choice",
+      "--router.capacity_factor=1.0"], "router.type='expert_choice'"),
+])
+def test_config_refuses_what_does_not_pack(folder, tmp_path, overrides, message):
+    base = ["--data.source=tokens", f"--data.path={folder}", f"--run.dir={tmp_path}"]
+    with pytest.raises(ValueError, match=message):
+        load_config(None, base + overrides)

@@ -7,7 +7,8 @@ independent, in float64.
   the deferred sums) equal those of the unpadded tokens alone;
 - the sequence balance loss of packed documents is the mean of each document's loss alone;
 - padding takes no capacity slot from a real token;
-- activation recompute keeps the documents (gradients equal to no recompute).
+- activation recompute keeps the documents (gradients equal to no recompute), and so do the
+  regions train.compile traces (no graph break, the eager loss).
 """
 
 import pytest
@@ -19,6 +20,7 @@ from moepar.layers.documents import build_documents
 from moepar.layers.loss import linear_cross_entropy
 from moepar.layers.router import TopKRouter
 from moepar.parallel.checkpointing import apply_recompute
+from moepar.parallel.compile import apply_compile
 
 _MLA = dict(attention="mla", kv_lora_rank=16, qk_nope_head_dim=8, qk_rope_head_dim=8,
             v_head_dim=8, num_kv_heads=4)
@@ -135,3 +137,19 @@ def test_recompute_keeps_the_documents(mode):
         _loss(model, inputs, targets, documents=documents).backward()
         grads.append(torch.cat([p.grad.flatten() for p in model.parameters()]))
     assert torch.allclose(grads[0], grads[1], rtol=1e-12, atol=1e-15)
+
+
+@pytest.mark.parametrize("attention", ["gqa", "mla"])
+def test_compiled_regions_take_the_documents(attention):
+    """train.compile's regions (attention with its mask, the router with padding) trace
+    without a graph break (fullgraph) and give the eager loss."""
+    gen = torch.Generator().manual_seed(7)
+    inputs = torch.randint(0, 64, (2, 12), generator=gen)
+    targets = torch.randint(0, 64, (2, 12), generator=gen)
+    documents = torch.tensor([[0] * 5 + [1] * 7, [0] * 9 + [-1] * 3])
+    targets[1, 9:] = -100
+    model = _model(attention)
+    want = _loss(model, inputs, targets, documents=documents)
+    apply_compile(model, "aot_eager")
+    got = _loss(model, inputs, targets, documents=documents)
+    assert abs(got.item() - want.item()) < 1e-12
