@@ -30,27 +30,34 @@ __all__ = ["Documents", "build_documents"]
 
 @dataclass(frozen=True)
 class Documents:
-    mask_B1SS: torch.Tensor     # bool: query s sees key s' (s' <= s, same document)
+    mask_B1SS: torch.Tensor     # bool: query s sees key s' (s' <= s, same document); [B, 1, S, L]
+                                # when decoding after L - S cached positions
     positions_BS: torch.Tensor  # int64: the position inside its document (RoPE)
     valid_T: torch.Tensor       # bool: a real token, not padding
     doc_T: torch.Tensor         # int64 in [0, T): one number per document of the micro-batch
 
 
-def build_documents(documents_BS: torch.Tensor) -> Documents:
-    """The masks and positions of a micro-batch's document numbers (see the module text)."""
-    if documents_BS.dim() != 2:
-        raise ValueError(f"documents must be [B, S] document numbers, got shape "
-                         f"{tuple(documents_BS.shape)}")
-    num_rows, seq = documents_BS.shape
-    idx_S = torch.arange(seq, device=documents_BS.device)
-    causal_SS = idx_S[None, :] <= idx_S[:, None]
-    same_BSS = documents_BS[:, :, None] == documents_BS[:, None, :]
+def build_documents(documents_BL: torch.Tensor, start: int = 0) -> Documents:
+    """The masks and positions of a micro-batch's document numbers (see the module text).
+    Decoding with a KV cache: `documents_BL` covers the L = start + S cached and new positions,
+    and what is built is the S new positions' (their mask rows over all L keys)."""
+    if documents_BL.dim() != 2 or not 0 <= start < documents_BL.shape[1]:
+        raise ValueError(f"documents must be [B, L] document numbers covering the {start} cached "
+                         f"positions and at least one new one, got shape "
+                         f"{tuple(documents_BL.shape)}")
+    num_rows, length = documents_BL.shape
+    idx_L = torch.arange(length, device=documents_BL.device)
+    causal_SL = idx_L[None, :] <= idx_L[start:, None]
+    same_BSL = documents_BL[:, start:, None] == documents_BL[:, None, :]
     # A document starts where the number changes (and at each row's start); its first index,
     # carried forward by a running maximum, gives every token its position inside it.
-    new_BS = torch.ones_like(documents_BS, dtype=torch.bool)
-    new_BS[:, 1:] = documents_BS[:, 1:] != documents_BS[:, :-1]
-    start_BS = torch.where(new_BS, idx_S, 0).cummax(dim=1).values
-    rows_B1 = torch.arange(num_rows, device=documents_BS.device)[:, None]
-    doc_T = (rows_B1 * seq + documents_BS.clamp_min(0)).reshape(-1)
-    return Documents((same_BSS & causal_SS).unsqueeze(1), idx_S - start_BS,
-                     (documents_BS >= 0).reshape(-1), doc_T)
+    new_BL = torch.ones_like(documents_BL, dtype=torch.bool)
+    new_BL[:, 1:] = documents_BL[:, 1:] != documents_BL[:, :-1]
+    start_BL = torch.where(new_BL, idx_L, 0).cummax(dim=1).values
+    # Numbers unique over the new tokens, below T = B*S: row * S + the row's count of starts.
+    new_BS = new_BL[:, start:].clone()
+    new_BS[:, 0] = True
+    rows_B1 = torch.arange(num_rows, device=documents_BL.device)[:, None]
+    doc_T = (rows_B1 * new_BS.shape[1] + new_BS.cumsum(1) - 1).reshape(-1)
+    return Documents((same_BSL & causal_SL).unsqueeze(1), (idx_L - start_BL)[:, start:],
+                     (documents_BL[:, start:] >= 0).reshape(-1), doc_T)

@@ -298,7 +298,8 @@ class Transformer(nn.Module):
         sequence; default start + arange(S)), each below model.max_seq_len. `documents`: int64
         [B, S] document numbers of packed rows, -1 for padding (layers/documents.py): attention
         stays within documents, positions restart at each (unless given), and the routers count
-        real tokens only, the sequence balance loss per document. Not with a non-empty cache."""
+        real tokens only, the sequence balance loss per document; after a non-empty cache,
+        [B, cached + S]: the cached positions' numbers too (decoding padded prompts)."""
         last_chunk = chunk is None or chunk == self.num_chunks - 1
         start = 0 if cache is None else cache.length
         if self.embed is not None and not chunk:
@@ -312,11 +313,8 @@ class Transformer(nn.Module):
         if alone:
             balance = MicroBalance()
         docs = None
-        if documents is not None:
-            if start:
-                raise ValueError("documents go with a whole sequence, not after a KV cache's "
-                                 f"{start} positions")
-            docs = build_documents(documents)
+        if documents is not None:   # (after a cache: its positions' numbers, then the new ones)
+            docs = build_documents(documents, start)
             positions = docs.positions_BS if positions is None else positions
         if positions is None:
             cos, sin = self.rope_cos[start:end], self.rope_sin[start:end]

@@ -8,12 +8,14 @@ independent, in float64.
 - the sequence balance loss of packed documents is the mean of each document's loss alone;
 - padding takes no capacity slot from a real token;
 - activation recompute keeps the documents (gradients equal to no recompute), and so do the
-  regions train.compile traces (no graph break, the eager loss).
+  regions train.compile traces (no graph break, the eager loss);
+- prompts of several lengths, padded on the left, decode as each does alone.
 """
 
 import pytest
 import torch
 
+from moepar.infer.generate import generate
 from moepar.layers import ModelConfig, RouterConfig, Transformer
 from moepar.layers.balance import document_balance_loss, sequence_balance_loss
 from moepar.layers.documents import build_documents
@@ -153,3 +155,15 @@ def test_compiled_regions_take_the_documents(attention):
     apply_compile(model, "aot_eager")
     got = _loss(model, inputs, targets, documents=documents)
     assert abs(got.item() - want.item()) < 1e-12
+
+
+@pytest.mark.parametrize("attention", ["gqa", "mla"])
+def test_prompts_of_several_lengths_decode_as_if_alone(attention):
+    """generate() pads prompts of several lengths on the left and masks the padding as packed
+    training does: each row's greedy continuation is the one it gets alone."""
+    model = _model(attention)
+    gen = torch.Generator().manual_seed(8)
+    prompts = [torch.randint(0, 64, (n,), generator=gen) for n in (3, 9, 6)]
+    together = generate(model, prompts, max_new_tokens=5, temperature=0)
+    for prompt, row in zip(prompts, together, strict=True):
+        assert row.tolist() == generate(model, prompt, max_new_tokens=5, temperature=0)[0].tolist()
