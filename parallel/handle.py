@@ -79,6 +79,8 @@ class ParallelModel:
         only): `documents` per micro-batch and loss `weights` (LocalRunner.run)."""
         if self.layout.device.type == "cuda":    # pinned: the copies to the GPU are async
             inputs, targets = [t.pin_memory() for t in inputs], [t.pin_memory() for t in targets]
+            if "documents" in packed:
+                packed["documents"] = [t.pin_memory() for t in packed["documents"]]
         loss_sum, moe_outputs = self.runner.run(
             inputs, targets, before_action=lambda a: self._around(a, False),
             after_action=lambda a: self._around(a, True), **packed)
