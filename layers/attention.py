@@ -46,9 +46,10 @@ class Attention(nn.Module):
         q, kv = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
         return q, kv, kv
 
-    def forward(self, x_BSD, cos_SHd, sin_SHd, cache: LayerCache | None = None):
+    def forward(self, x_BSD, cos_SHd, sin_SHd, cache: LayerCache | None = None, mask=None):
         """`cache`: decoding; x_BSD holds the S positions after the cached ones, and cos/sin are
-        theirs."""
+        theirs ([S, Hd], or [B, 1, S, Hd] for positions per row). `mask` [B, 1, S, L] (packed
+        documents, layers/documents.py): who sees whom, in place of causal."""
         batch, seq, _ = x_BSD.shape
         q, k, v = self.qkv_proj(x_BSD).split(self.qkv_sizes(), dim=-1)   # views, no copies
         if self.qk_norm == "full":
@@ -65,6 +66,6 @@ class Attention(nn.Module):
             start = cache.length
             k_BGSd, v_BGSd = cache.extend(2, k_BGSd, v_BGSd)
         if start == 0:
-            track_max_logits(self, q_BHSd, k_BGSd)
-        o_BHSd = causal_attention(q_BHSd, k_BGSd, v_BGSd, start)
+            track_max_logits(self, q_BHSd, k_BGSd, mask_B1SS=mask)
+        o_BHSd = causal_attention(q_BHSd, k_BGSd, v_BGSd, start, mask_B1TL=mask)
         return self.o_proj(o_BHSd.transpose(1, 2).reshape(batch, seq, -1))

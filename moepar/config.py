@@ -35,6 +35,7 @@ OPTIM_STATE_DTYPES = ("float32", "bfloat16")
 # Keys an older moepar read, and what says the same now (a config that sets one is refused with this).
 RENAMED = {"parallel.dedup": 'set parallel.dispatcher = "dedup" (the dispatcher kinds are one key)'}
 DATA_SOURCES = ("builtin", "text", "tokens")
+DATA_PACKS = ("none", "documents")
 TOKEN_DTYPES = ("uint8", "uint16", "int32", "int64")
 MAX_COUNT = 1 << 53       # steps and positions: a checkpoint stores them as JSON numbers
 
@@ -218,10 +219,21 @@ class DataConfig:
     paths: list[str] = field(default_factory=list)   # tokens: several folders/files to blend
     weights: list[float] = field(default_factory=list)   # share of each data.paths entry; [] = by size
     token_dtype: str = "uint16"  # for raw token files
+    pack: str = "none"        # "documents": attention, RoPE and balance within documents (docs/data.md)
+    pad: bool = False         # with pack: windows of whole documents, padded (fine-tuning data)
 
     def __post_init__(self):
         if self.source not in DATA_SOURCES:
             raise ValueError(f"data.source={self.source!r} is not one of {DATA_SOURCES}")
+        if self.pack not in DATA_PACKS:
+            raise ValueError(f"data.pack={self.pack!r} is not one of {DATA_PACKS}")
+        if self.pad and self.pack != "documents":
+            raise ValueError("data.pad=true needs data.pack='documents' (padding is told apart "
+                             "by its document number)")
+        if self.pack != "none" and (self.source != "tokens" or not self.path):
+            raise ValueError(f"data.pack={self.pack!r} reads the document boundaries of one "
+                             "prepared folder: set data.source='tokens' and data.path (blends "
+                             "of data.paths are not packed yet)")
         if self.token_dtype not in TOKEN_DTYPES:
             raise ValueError(f"data.token_dtype={self.token_dtype!r} is not one of {TOKEN_DTYPES}")
         for name in ("path", "paths", "weights"):
@@ -354,6 +366,12 @@ class RunConfig:
         if self.parallel.backend == "nccl" and self.train.device == "cpu":
             raise ValueError("parallel.backend='nccl' with train.device='cpu': NCCL needs CUDA "
                              "tensors; use parallel.backend='gloo' (or auto)")
+        if self.data.pack != "none" and p.tp > 1:
+            raise ValueError(f"data.pack={self.data.pack!r} with parallel.tp={p.tp}: packed "
+                             "documents run with tp = 1 for now (dp, ep, pp and zero compose)")
+        if self.data.pad and self.router.type != "topk":
+            raise ValueError(f"data.pad=true with router.type={self.router.type!r}: experts "
+                             "would choose padding; use router.type='topk'")
         if self.data.source in ("builtin", "text") and self.model.vocab_size < 256:
             raise ValueError(f"model.vocab_size={self.model.vocab_size} must be >= 256 for the "
                              f"byte-level tokenizer (data.source={self.data.source!r})")

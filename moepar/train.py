@@ -203,10 +203,25 @@ class Trainer:
         (under pp: zero except on the last stage; the step-end reduction sums over pp)."""
         base = self.sampler.position + self.first_micro
         batches = [self.sampler.batch(base + i) for i in range(self.num_local_micro)]
+        packed = {}
+        if getattr(self.sampler, "packed", False):   # data.pack: documents, weighted losses
+            packed = {"documents": [b[2] for b in batches], "weights": self._loss_weights()}
         loss_sum = self.engine.forward_backward([b[0] for b in batches], [b[1] for b in batches],
-                                                stats)
+                                                stats, **packed)
         self.sampler.position += self.num_micro
         return loss_sum
+
+    def _loss_weights(self) -> list[float]:
+        """Packed documents: each local micro-batch's mean loss times (its counted targets) x
+        (micro-batches per step) / (counted targets of the global batch), so that the step's
+        loss, once averaged over micro-batches and dp ranks as always, is the mean over every
+        counted token of the global batch, not a mean of means. Counts come from the document
+        ends alone (every rank computes the same ones, no collective)."""
+        position = self.sampler.position
+        counts = [self.sampler.counted(position + i) for i in range(self.num_micro)]
+        total = max(sum(counts), 1)
+        return [counts[self.first_micro + i] * self.num_micro / total
+                for i in range(self.num_local_micro)]
 
     def train_step(self) -> dict:
         """One optimizer step over this rank's micro-batches; returns the global metrics record.

@@ -73,15 +73,18 @@ class ParallelModel:
             hook = self.sync.after_backward if after else self.sync.before_backward
             hook(action.micro == self.num_micro - 1, action == self._final_backward)
 
-    def forward_backward(self, inputs: list, targets: list, stats) -> torch.Tensor:
+    def forward_backward(self, inputs: list, targets: list, stats, **packed) -> torch.Tensor:
         """This rank's micro-batches of one step, gradients synced; adds each micro-batch's MoE
         statistics to `stats`; returns the sum of their losses (under pp: on the last stage,
-        zero elsewhere; `finish_step` sums it over pp)."""
+        zero elsewhere; `finish_step` sums it over pp). `packed` (data.pack, the local runner
+        only): `documents` per micro-batch and loss `weights` (LocalRunner.run)."""
         if self.layout.device.type == "cuda":    # pinned: the copies to the GPU are async
             inputs, targets = [t.pin_memory() for t in inputs], [t.pin_memory() for t in targets]
+            if "documents" in packed:
+                packed["documents"] = [t.pin_memory() for t in packed["documents"]]
         loss_sum, moe_outputs = self.runner.run(
             inputs, targets, before_action=lambda a: self._around(a, False),
-            after_action=lambda a: self._around(a, True))
+            after_action=lambda a: self._around(a, True), **packed)
         for outs, balance in zip(moe_outputs, self.runner.balance_values, strict=True):
             stats.add(outs, self.moe_router_cfg, self.moe_indices, balance)
         return loss_sum
@@ -106,11 +109,12 @@ class ParallelModel:
         stats.add(outs[0], self.moe_router_cfg, self.moe_indices, runner.balance_values[0])
         return loss
 
-    def evaluate(self, inputs: list, targets: list) -> torch.Tensor:
+    def evaluate(self, inputs: list, targets: list, **packed) -> torch.Tensor:
         """The sum over every rank's micro-batches of their mean cross-entropy (float64, the same
         on every rank): forward only, no gradients, no statistics. Every rank passes its share
-        of the batches (pipeline ranks the same ones), as for a training step."""
-        loss_sum, _ = self.runner.run(inputs, targets, forward_only=True)
+        of the batches (pipeline ranks the same ones), as for a training step. `packed`: as
+        forward_backward's (the micro-batches' documents and loss weights)."""
+        loss_sum, _ = self.runner.run(inputs, targets, forward_only=True, **packed)
         if self.zero == 3:      # FSDP2 keeps the root's parameters gathered after a forward, for
             self.model.reshard()  # the backward that would follow; none does: shard them again
         all_reduce_sum([loss_sum], self.layout.group("dp"))

@@ -39,6 +39,29 @@ def test_tracked_maximum_is_the_naive_one():
     torch.testing.assert_close(tracked, torch.tensor(want, dtype=torch.float64))
 
 
+def test_tracked_maximum_of_packed_documents_counts_only_logits_within_a_document():
+    """Two documents in one row: the logits across them are masked out of the softmax, so they
+    must not count either (else a head would be clipped for logits attention never uses)."""
+    model = tiny_model(num_layers=1, num_kv_heads=2)
+    attn = model.layers[0].attn
+    clip = QKClip(model, 1.0, Masters(model), None, torch.device("cpu"))
+    x = torch.randint(0, 64, (1, 8), generator=torch.Generator().manual_seed(1))
+    documents = torch.tensor([[0, 0, 0, 1, 1, 1, 1, 1]])
+    clip.reset()
+    model(x, documents=documents)
+    tracked = clip.max_logits()
+    with torch.no_grad():
+        h_BSD = model.layers[0].attn_norm(model.embed(x))
+        q, k, _ = attn.qkv_proj(h_BSD).split(attn.qkv_sizes(), dim=-1)
+    positions = torch.tensor([0, 1, 2, 0, 1, 2, 3, 4])
+    cos, sin = model.rope_cos[positions], model.rope_sin[positions]
+    q = apply_rotary(q.view(1, 8, 4, 8).transpose(1, 2), cos, sin)
+    k = apply_rotary(k.view(1, 8, 2, 8).transpose(1, 2), cos, sin)
+    want = [max(float(q[0, h, i] @ k[0, h // 2, j]) / 8 ** 0.5 for i in range(8)
+                for j in range(i + 1) if documents[0, i] == documents[0, j]) for h in range(4)]
+    torch.testing.assert_close(tracked, torch.tensor(want, dtype=torch.float64))
+
+
 @pytest.mark.parametrize("fields", [dict(num_kv_heads=4), dict(num_kv_heads=2), MLA],
                          ids=["mha", "gqa", "mla"])
 def test_clipped_heads_reach_tau_exactly(fields):
