@@ -31,7 +31,7 @@ from moepar.parallel.dims import ParallelDims
 from moepar.parallel.expert import apply_ep
 from moepar.process import end_process_group
 
-__all__ = ["worker_main", "print_dispatch"]
+__all__ = ["worker_main", "print_dispatch", "setup"]
 
 
 class _Meter:
@@ -70,7 +70,8 @@ def metered_all_to_all(meter: _Meter):
         dist.all_to_all_single = real
 
 
-def _setup(ep: int, experts: int):
+def setup(ep: int, experts: int):
+    """(rank, dims, meshes) of an EP world of local gloo processes, one thread each."""
     torch.set_num_threads(1)
     if not dist.is_initialized():
         dist.init_process_group("gloo")
@@ -116,7 +117,7 @@ def _a2a_times(timer) -> dict:
 
 
 def bench_dispatch(args, dtype) -> dict:
-    rank, dims, meshes = _setup(args.ep, args.experts)
+    rank, dims, meshes = setup(args.ep, args.experts)
     gen = torch.Generator().manual_seed(1000 + rank)
     x = torch.randn(args.tokens, args.dim, dtype=dtype, generator=gen, requires_grad=True)
     grad = torch.randn(args.tokens, args.dim, dtype=dtype, generator=gen)
@@ -169,7 +170,7 @@ def bench_dispatch(args, dtype) -> dict:
 
 
 def bench_moe_layer_ep(args, dtype) -> dict:
-    rank, dims, meshes = _setup(args.ep, args.experts)
+    rank, dims, meshes = setup(args.ep, args.experts)
     moe = _moe(args, dtype, rank, dims, meshes)
     ideal = FeedForward(args.dim, args.ffn_dim).to(dtype)
     plain = PlainSwiGLU(args.dim, args.top_k * args.ffn_dim).to(dtype)
