@@ -3,8 +3,7 @@ measured load (parallel.placement_from, its expert_load.jsonl), or a JSON file; 
 every rank from files alone, before any collective, into one ExpertMap per MoE layer
 (moepar/parallel/expert_map.py).
 
-The JSON file (written by `write_placement`, and beside every run that uses a placement as
-<run.dir>/expert_placement.json):
+The JSON file (`write_placement` writes one):
 
     {"format": "moepar.expert_placement", "version": 1, "num_experts": 8, "ep": 2,
      "layers": {"1": [[5, 0, 3, 6, 5], [1, 2, 4, 7, 0]], ...}}
@@ -20,12 +19,11 @@ import numpy as np
 
 from moepar.jsonfile import open_regular, parse_json
 from moepar.metrics import LOAD_FILE, LOAD_FORMAT, moe_layer_numbers
-from moepar.parallel.expert_map import ExpertMap, balanced, check_slots, imbalance
+from moepar.parallel.expert_map import ExpertMap, balanced, check_slots, contiguous, imbalance
 
-__all__ = ["build_expert_maps", "read_placement", "write_placement", "measured_load",
-           "PLACEMENT_FILE", "PLACEMENT_FORMAT"]
+__all__ = ["build_expert_maps", "read_placement", "write_placement", "measured_load", "describe",
+           "PLACEMENT_FORMAT"]
 
-PLACEMENT_FILE = "expert_placement.json"
 PLACEMENT_FORMAT = "moepar.expert_placement"
 
 
@@ -79,7 +77,7 @@ def read_placement(path: str, layers: list[int], num_experts: int, ep: int,
     where = f"parallel.expert_placement={path!r}"
     if not os.path.isfile(path):
         raise ValueError(f"{where}: no such file (give 'contiguous', 'balanced' or the path of a "
-                         f"{PLACEMENT_FILE})")
+                         "placement JSON file)")
     with open_regular(path, where) as f:
         data = parse_json(f.read().decode("utf-8", errors="replace"), path)
     if not isinstance(data, dict) or data.get("format") != PLACEMENT_FORMAT:
@@ -138,10 +136,21 @@ def build_expert_maps(cfg, ep: int, gpus_per_node: int = 0) -> dict[int, ExpertM
             for layer, load_E in zip(layers, load_LE, strict=True)}
 
 
-def placement_note(maps: dict[int, ExpertMap], load_LE) -> dict:
-    """Per layer, the busiest rank's rows over the mean, contiguous and under `maps`."""
-    out = {}
-    for (layer, m), load_E in zip(maps.items(), load_LE, strict=True):
-        plain = ExpertMap(tuple(range(m.num_experts)), m.num_experts, m.ep)
-        out[str(layer)] = {"contiguous": imbalance(plain, load_E), "placed": imbalance(m, load_E)}
-    return {"imbalance": out}
+def describe(cfg, ep: int, gpus_per_node: int = 0) -> str | None:
+    """The start-up log line of a run's placement; for `balanced`, the busiest EP rank's rows over
+    the mean of the measured load, contiguous and placed (worst layer). None: contiguous."""
+    maps = build_expert_maps(cfg, ep, gpus_per_node)
+    if maps is None:
+        return None
+    p = cfg.parallel
+    line = (f"expert placement: {p.expert_placement}, {p.expert_replicas} replica slot(s) per "
+            f"EP rank")
+    if p.expert_placement != "balanced":
+        return line
+    layers = list(maps)
+    load_LE = measured_load(p.placement_from, p.placement_window, layers, cfg.model.num_experts)
+    plain = contiguous(cfg.model.num_experts, ep)
+    before = max(imbalance(plain, load_E) for load_E in load_LE)
+    after = max(imbalance(m, load_E) for m, load_E in zip(maps.values(), load_LE, strict=True))
+    return (f"{line}, from {p.placement_from}'s load: busiest EP rank's rows / mean "
+            f"{before:.2f} contiguous -> {after:.2f} (worst layer)")

@@ -35,6 +35,7 @@ from moepar.checkpoint import PendingSave, latest_checkpoint, load_checkpoint
 from moepar.cluster import check_shared_filesystem
 from moepar.config import RunConfig, to_dict
 from moepar.data.sources import build_sampler
+from moepar.expert_placement import describe as describe_placement
 from moepar.layers.shapes import param_count
 from moepar.loss_scale import LossScaler
 from moepar.metrics import MetricsWriter, PendingMetrics, StepStats
@@ -132,6 +133,10 @@ class Trainer:
             self.log(f"initialised weights from {cfg.run.init_from}")
         if self.dims.gpus_per_node:
             self.log(f"nodes: {self.dims.describe_nodes()}")
+        placement = self.rank == 0 and describe_placement(cfg, self.dims.ep,
+                                                          self.dims.gpus_per_node)
+        if placement:
+            self.log(placement)
         self.log(f"layout: {self.dims.describe()}; zero {cfg.parallel.zero}; "
                  f"{self.num_local_micro} micro-batch(es) of "
                  f"{tcfg.micro_batch_size} per rank per step; device {self.device}")
