@@ -78,19 +78,26 @@ def assert_records(got, want):
         assert math.isclose(gnorm, w_gnorm, rel_tol=1e-9), (got, want)
 
 
-@pytest.mark.parametrize("size, name, extra", [
-    (2, "ep2", []), (4, "ep4", []), (2, "ep2_rep", ["--parallel.expert_replicas=1"]),
-    (4, "ep4_rep", ["--parallel.expert_replicas=1", "--parallel.a2a_chunks=3"]),
-    (4, "balanced", ["--parallel.expert_replicas=2", "--parallel.dispatcher=dedup",
-                     "--parallel.zero=1"]),
-], ids=["ep2", "ep4", "ep2_replicas", "ep4_replicas_chunks", "ep4_balanced_replicas_dedup"])
-def test_placement_parity(worlds, tmp_path, single, size, name, extra):
+@pytest.mark.parametrize("size, ep, name, extra", [
+    (2, 2, "ep2", []), (4, 4, "ep4", []), (2, 2, "ep2_rep", ["--parallel.expert_replicas=1"]),
+    (4, 4, "ep4_rep", ["--parallel.expert_replicas=1", "--parallel.a2a_chunks=3"]),
+    (4, 4, "balanced", ["--parallel.expert_replicas=2", "--parallel.dispatcher=dedup",
+                        "--parallel.zero=1"]),
+    # Replica weights fetched inside FSDP2's unsharded forward, and recomputed experts.
+    (2, 2, "ep2_rep", ["--parallel.expert_replicas=1", "--parallel.zero=3",
+                       "--train.recompute=experts"]),
+    # A placement per layer on pipeline stages, and EP groups folded over tensor parallelism.
+    (4, 2, "ep2_rep", ["--parallel.pp=2", "--parallel.expert_replicas=1", "--parallel.zero=2"]),
+    (4, 2, "ep2_rep", ["--parallel.tp=2", "--parallel.expert_replicas=1"]),
+], ids=["ep2", "ep4", "ep2_replicas", "ep4_replicas_chunks", "ep4_balanced_replicas_dedup",
+        "ep2_replicas_zero3_recompute", "pp2_ep2_replicas_zero2", "tp2_ep2_replicas"])
+def test_placement_parity(worlds, tmp_path, single, size, ep, name, extra):
     single_dir, ref, ref_records = single
     where = (["--parallel.expert_placement=balanced", f"--parallel.placement_from={single_dir}"]
              if name == "balanced" else
              [f"--parallel.expert_placement={placement_file(tmp_path, name)}"])
     run_dir = str(tmp_path / "run")
-    overrides = [f"--parallel.ep={size}", *where, *extra, f"--run.checkpoint_every={STEPS}"]
+    overrides = [f"--parallel.ep={ep}", *where, *extra, f"--run.checkpoint_every={STEPS}"]
     results = worlds(size).run(case_train, run_dir, overrides, timeout=120)
     for rank_records in results:
         assert_records(rank_records, ref_records)
