@@ -71,6 +71,7 @@ class ParallelConfig:
     expert_replicas: int = 0     # replica slots per EP rank for hot experts (balanced, a file)
     placement_from: str = ""     # balanced: the run whose expert_load.jsonl gives the load
     placement_window: int = 0    # balanced: the last N recorded steps of that load; 0: all of them
+    replace_every: int = 0       # re-place experts (balanced) every K steps from their load; 0: never
 
     def __post_init__(self):
         if self.dp < 0:
@@ -112,16 +113,20 @@ class ParallelConfig:
                                          "a2a_chunks": 1 << 12, "pp_virtual": 1 << 12,
                                          "bucket_mb": 1 << 20, "timeout_s": 30 * 86400,
                                          "gpus_per_node": 1 << 12, "expert_replicas": 1 << 12,
-                                         "placement_window": 1 << 40})
+                                         "placement_window": 1 << 40, "replace_every": 1 << 40})
 
     def _check_placement(self):
         p = self.expert_placement
         if not p:
             raise ValueError("parallel.expert_placement is empty: give 'contiguous', 'balanced' "
                              "or the path of a placement JSON file")
-        if self.expert_replicas < 0 or self.placement_window < 0:
-            raise ValueError(f"parallel.expert_replicas={self.expert_replicas} and "
-                             f"parallel.placement_window={self.placement_window} must be >= 0")
+        if min(self.expert_replicas, self.placement_window, self.replace_every) < 0:
+            raise ValueError(f"parallel.expert_replicas={self.expert_replicas}, "
+                             f"parallel.placement_window={self.placement_window} and "
+                             f"parallel.replace_every={self.replace_every} must be >= 0")
+        if self.replace_every and self.zero:
+            raise ValueError(f"parallel.replace_every={self.replace_every} needs parallel.zero=0, "
+                             f"not {self.zero}: ZeRO shards the experts' rows by position")
         if p == "balanced" and not self.placement_from:
             raise ValueError("parallel.expert_placement='balanced' needs parallel.placement_from: "
                              "the run directory whose expert_load.jsonl gives the measured load")

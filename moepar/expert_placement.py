@@ -22,7 +22,7 @@ from moepar.metrics import LOAD_FILE, LOAD_FORMAT, moe_layer_numbers
 from moepar.parallel.expert_map import ExpertMap, balanced, check_slots, contiguous, imbalance
 
 __all__ = ["build_expert_maps", "read_placement", "write_placement", "measured_load", "describe",
-           "PLACEMENT_FORMAT"]
+           "Replacer", "PLACEMENT_FORMAT"]
 
 PLACEMENT_FORMAT = "moepar.expert_placement"
 
@@ -154,3 +154,33 @@ def describe(cfg, ep: int, gpus_per_node: int = 0) -> str | None:
     after = max(imbalance(m, load_E) for m, load_E in zip(maps.values(), load_LE, strict=True))
     return (f"{line}, from {p.placement_from}'s load: busiest EP rank's rows / mean "
             f"{before:.2f} contiguous -> {after:.2f} (worst layer)")
+
+
+class Replacer:
+    """parallel.replace_every = K: after every K-th step, the balanced placement (with
+    parallel.expert_replicas slots) of the load of the last K steps, which every rank holds
+    reduced in its step statistics, so every rank computes the same maps; the engine moves the
+    experts (parallel/expert_move.py)."""
+
+    def __init__(self, cfg, engine, ep: int, gpus_per_node: int = 0):
+        self.cfg, self.engine, self.ep, self.node = cfg, engine, ep, gpus_per_node
+        E, layers = cfg.model.num_experts, moe_layer_numbers(cfg.model)
+        self.maps = build_expert_maps(cfg, ep, gpus_per_node) or {
+            layer: contiguous(E, ep) for layer in layers}
+        self.load_LE = None
+
+    def after_step(self, step: int, tokens_LE) -> str | None:
+        """Adds the step's load [L, E] (on the device); on a K-th step moves the experts (a
+        collective and one host sync) and returns a log line."""
+        self.load_LE = tokens_LE.clone() if self.load_LE is None else self.load_LE + tokens_LE
+        if step % self.cfg.parallel.replace_every:
+            return None
+        load_LE, self.load_LE = self.load_LE.tolist(), None
+        new = {layer: balanced(load_E, self.ep, self.cfg.parallel.expert_replicas, self.node)
+               for layer, load_E in zip(self.maps, load_LE, strict=True)}
+        before = max(imbalance(self.maps[k], load) for k, load in zip(self.maps, load_LE))
+        after = max(imbalance(new[k], load) for k, load in zip(new, load_LE))
+        self.engine.replace_experts(self.maps, new)
+        self.maps = new
+        return (f"step {step}: experts re-placed from the last {self.cfg.parallel.replace_every} "
+                f"step(s)' load: busiest EP rank's rows / mean {before:.2f} -> {after:.2f}")

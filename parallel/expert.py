@@ -25,10 +25,10 @@ from moepar.layers.moe import MoE
 from .allgather import AllGatherDispatcher
 from .alltoall import AllToAllDispatcher
 from .dedup import DedupAllToAllDispatcher
-from .expert_map import ExpertMap, PlacedDispatcher, contiguous
-from .replicas import ReplicaWeights
+from .expert_map import ExpertMap, contiguous
+from .expert_move import apply_map
 
-__all__ = ["apply_ep", "DISPATCHERS"]
+__all__ = ["apply_ep", "DISPATCHERS", "moe_layers_by_id"]
 
 DISPATCHERS = ("alltoall", "dedup", "allgather")
 
@@ -52,7 +52,7 @@ def shard_experts(experts: GroupedExperts, ep: int, ep_rank: int,
     experts.expert_ids, experts.num_experts = ids, len(ids)
 
 
-def _moe_layers(model) -> list[tuple[int, MoE]]:
+def moe_layers_by_id(model) -> list[tuple[int, MoE]]:
     """(the model's layer number, MoE) for a Transformer; (0, module) for a lone MoE layer."""
     if hasattr(model, "layers"):
         return [(block.layer_id, block.ffn) for block in model.layers if block.is_moe]
@@ -70,7 +70,7 @@ def apply_ep(model, dims, meshes, rank: int, dispatcher: str = "alltoall", debug
         raise ValueError(f"parallel.dispatcher={dispatcher!r} is not one of {DISPATCHERS}")
     group = meshes.group("ep")
     ep_rank = dims.coords(rank).ep
-    for layer_id, moe in _moe_layers(model):
+    for layer_id, moe in moe_layers_by_id(model):
         expert_map = (expert_maps or {}).get(layer_id) or contiguous(moe.num_experts, dims.ep)
         if (expert_map.num_experts, expert_map.ep) != (moe.num_experts, dims.ep):
             raise ValueError(f"the expert map of layer {layer_id} places {expert_map.num_experts} "
@@ -85,8 +85,5 @@ def apply_ep(model, dims, meshes, rank: int, dispatcher: str = "alltoall", debug
         else:
             moe.dispatcher = AllToAllDispatcher(num_experts, group, layer_id, debug,
                                                 chunks=a2a_chunks)
-        if not expert_map.is_contiguous:
-            moe.dispatcher = PlacedDispatcher(moe.dispatcher, expert_map)
-        if expert_map.replicas:
-            moe.experts.with_replicas = ReplicaWeights(expert_map, group, ep_rank)
+        apply_map(moe, expert_map, group, ep_rank)
     return model

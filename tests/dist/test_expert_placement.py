@@ -13,6 +13,7 @@ from configs import tiny_config
 from moepar.checkpoint import load_checkpoint
 from moepar.expert_placement import write_placement
 from moepar.layers import Transformer
+from moepar.parallel.expert import moe_layers_by_id
 from moepar.parallel.expert_map import ExpertMap
 from moepar.train import Trainer
 
@@ -101,12 +102,42 @@ def test_placement_parity(worlds, tmp_path, single, size, ep, name, extra):
     results = worlds(size).run(case_train, run_dir, overrides, timeout=120)
     for rank_records in results:
         assert_records(rank_records, ref_records)
-    # The checkpoint names experts by logical id: it loads into one process as the reference.
+    assert_checkpoint(run_dir, ref)
+
+
+def assert_checkpoint(run_dir: str, ref):
+    """The checkpoint names experts by logical id: it loads into one process as the reference."""
     model = Transformer(ref.cfg.model, ref.cfg.router).double()
     load_checkpoint(f"{run_dir}/checkpoints/step_{STEPS}", model)
-    for (name_, p), q in zip(model.state_dict().items(), ref.model.state_dict().values(),
-                             strict=True):
-        torch.testing.assert_close(p, q, rtol=1e-9, atol=1e-12, msg=name_)
+    for (name, p), q in zip(model.state_dict().items(), ref.model.state_dict().values(),
+                            strict=True):
+        torch.testing.assert_close(p, q, rtol=1e-9, atol=1e-12, msg=name)
+
+
+def case_replace(run_dir: str, overrides: list[str]):
+    trainer = Trainer(tiny_config(run_dir, *COMMON, *overrides), log=quiet)
+    owned = [m.experts.expert_ids for _, m in moe_layers_by_id(trainer.model)]
+    records = trainer.run()
+    dist.barrier()
+    return summary(records), owned, [m.experts.expert_ids for _, m in
+                                     moe_layers_by_id(trainer.model)]
+
+
+@pytest.mark.parametrize("size, name, extra", [
+    (2, "", []), (4, "ep4_rep", ["--parallel.expert_replicas=1"])], ids=["ep2", "ep4_replicas"])
+def test_replace_every_step_is_exact(worlds, tmp_path, single, size, name, extra):
+    """parallel.replace_every=1: after every step the experts (weights and AdamW moments) move
+    to the balanced placement of that step's load; the run still equals one process."""
+    _, ref, ref_records = single
+    start = [f"--parallel.expert_placement={placement_file(tmp_path, name)}"] if name else []
+    run_dir = str(tmp_path / "run")
+    overrides = [f"--parallel.ep={size}", "--parallel.replace_every=1", *start, *extra,
+                 f"--run.checkpoint_every={STEPS}"]
+    results = worlds(size).run(case_replace, run_dir, overrides, timeout=120)
+    for records, _, _ in results:
+        assert_records(records, ref_records)
+    assert any(first != last for _, first, last in results), "no expert moved"
+    assert_checkpoint(run_dir, ref)
 
 
 def test_resume_at_another_placement(worlds, tmp_path, single):

@@ -93,6 +93,7 @@ def test_placement_file_round_trip_and_errors(tmp_path):
     (["--parallel.expert_replicas=1"], "contiguous placement has no replica slots"),
     (["--parallel.placement_from=run"], "only read by parallel.expert_placement='balanced'"),
     (["--parallel.expert_replicas=-1", "--parallel.expert_placement=x.json"], "must be >= 0"),
+    (["--parallel.replace_every=2", "--parallel.zero=1"], "replace_every=2 needs parallel.zero=0"),
 ])
 def test_config_errors(overrides, match):
     with pytest.raises(ValueError, match=match):
