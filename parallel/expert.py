@@ -27,10 +27,11 @@ from .alltoall import AllToAllDispatcher
 from .dedup import DedupAllToAllDispatcher
 from .expert_map import ExpertMap, contiguous
 from .expert_move import apply_map
+from .hierarchical import HierarchicalDispatcher, node_layout
 
 __all__ = ["apply_ep", "DISPATCHERS", "moe_layers_by_id"]
 
-DISPATCHERS = ("alltoall", "dedup", "allgather")
+DISPATCHERS = ("alltoall", "dedup", "allgather", "hierarchical")
 
 
 def shard_experts(experts: GroupedExperts, ep: int, ep_rank: int,
@@ -62,10 +63,11 @@ def moe_layers_by_id(model) -> list[tuple[int, MoE]]:
 def apply_ep(model, dims, meshes, rank: int, dispatcher: str = "alltoall", debug: bool = False,
              a2a_chunks: int = 1, expert_maps: dict[int, ExpertMap] | None = None):
     """Shards every MoE layer of `model` over ep and installs the dispatcher of kind `dispatcher`
-    (parallel.dispatcher: alltoall, dedup or allgather; named by the model's layer number in its
-    errors); returns model. `a2a_chunks` > 1 pipelines groups of local experts between the
-    all-to-alls (alltoall). `expert_maps`: a placement per MoE layer number (expert_map.py);
-    layers not in it are contiguous."""
+    (parallel.dispatcher: alltoall, dedup, allgather or hierarchical, whose nodes are
+    `dims.gpus_per_node`; named by the model's layer number in its errors); returns model.
+    `a2a_chunks` > 1 pipelines groups of local experts between the all-to-alls (alltoall).
+    `expert_maps`: a placement per MoE layer number (expert_map.py); layers not in it are
+    contiguous (the hierarchical dispatcher takes no other)."""
     if dispatcher not in DISPATCHERS:
         raise ValueError(f"parallel.dispatcher={dispatcher!r} is not one of {DISPATCHERS}")
     group = meshes.group("ep")
@@ -76,10 +78,17 @@ def apply_ep(model, dims, meshes, rank: int, dispatcher: str = "alltoall", debug
             raise ValueError(f"the expert map of layer {layer_id} places {expert_map.num_experts} "
                              f"experts over ep={expert_map.ep}; the model has {moe.num_experts} "
                              f"and ep={dims.ep}")
+        if dispatcher == "hierarchical" and not expert_map.is_contiguous:
+            raise ValueError("parallel.dispatcher='hierarchical' needs the contiguous expert "
+                             "placement: its router groups are aligned to nodes by expert id")
         shard_experts(moe.experts, dims.ep, ep_rank, expert_map)
         num_experts = len(expert_map.slots)     # the dispatcher's "experts" are the slots
         if dispatcher == "allgather":
             moe.dispatcher = AllGatherDispatcher(num_experts, group, ep_rank, layer_id)
+        elif dispatcher == "hierarchical":
+            ranks = node_layout(dims.ep, dims.gpus_per_node, num_experts, moe.router.cfg.n_group)
+            moe.dispatcher = HierarchicalDispatcher(num_experts, group, ep_rank, ranks, layer_id,
+                                                    debug)
         elif dispatcher == "dedup":
             moe.dispatcher = DedupAllToAllDispatcher(num_experts, group, layer_id, debug)
         else:

@@ -94,6 +94,8 @@ def test_placement_file_round_trip_and_errors(tmp_path):
     (["--parallel.placement_from=run"], "only read by parallel.expert_placement='balanced'"),
     (["--parallel.expert_replicas=-1", "--parallel.expert_placement=x.json"], "must be >= 0"),
     (["--parallel.replace_every=2", "--parallel.zero=1"], "replace_every=2 needs parallel.zero=0"),
+    (["--parallel.dispatcher=hierarchical", "--parallel.expert_placement=x.json"],
+     "hierarchical' needs parallel.expert_placement='contiguous'"),
 ])
 def test_config_errors(overrides, match):
     with pytest.raises(ValueError, match=match):
