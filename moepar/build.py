@@ -8,6 +8,7 @@ import os
 import torch
 
 from moepar.config import RunConfig
+from moepar.expert_placement import build_expert_maps
 from moepar.layers import Transformer
 from moepar.parallel import Options, ParallelDims, ParallelOptions, parallelize
 from moepar.parallel.adamw import AdamW
@@ -64,11 +65,11 @@ def muon_factory(cfg):
 def build_dims(cfg: RunConfig, world_size: int) -> ParallelDims:
     """The layout for this world, validated against the batch sizes; raises before any collective."""
     p = cfg.parallel
-    node = p.gpus_per_node or int(os.environ.get("LOCAL_WORLD_SIZE", 0))
     dims = ParallelDims.resolve(world_size, p.pp, p.dp, p.tp, p.ep, cfg.model.num_experts,
-                                gpus_per_node=node if node < world_size else 0)
+                                gpus_per_node=_ranks_per_node(cfg, world_size))
     if p.dispatcher == "hierarchical":     # the nodes the launcher gave, before any collective
         node_layout(dims.ep, dims.gpus_per_node, cfg.model.num_experts, cfg.router.n_group)
+    build_expert_maps(cfg, dims.ep)    # a bad placement file or load raises here, on every rank
     t = cfg.train
     if t.global_batch_size % (t.micro_batch_size * dims.dp):
         raise ValueError(f"train.global_batch_size={t.global_batch_size} must be a multiple of "
@@ -83,6 +84,11 @@ def build_dims(cfg: RunConfig, world_size: int) -> ParallelDims:
                              f"step per pipeline = train.global_batch_size / "
                              f"(train.micro_batch_size * dp))") from None
     return dims
+
+
+def _ranks_per_node(cfg: RunConfig, world_size: int) -> int:
+    node = cfg.parallel.gpus_per_node or int(os.environ.get("LOCAL_WORLD_SIZE", 0))
+    return node if node < world_size else 0
 
 
 def build_engine(cfg: RunConfig, layout, device, num_local_micro: int, materialize: bool = True,
@@ -100,5 +106,6 @@ def build_engine(cfg: RunConfig, layout, device, num_local_micro: int, materiali
                       seq_len=t.seq_len, recompute=t.recompute,
                       compile=t.compile, compile_backend=t.compile_backend,
                       compute_dtype=COMPUTE_DTYPES.get(t.dtype), fp32_residual=t.fp32_residual,
-                      seed=t.seed, materialize=materialize, training=training)
+                      seed=t.seed, materialize=materialize, training=training,
+                      expert_maps=build_expert_maps(cfg, layout.dims.ep, layout.dims.gpus_per_node))
     return parallelize(model, layout, options)

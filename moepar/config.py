@@ -69,6 +69,11 @@ class ParallelConfig:
     pp_layers: list[int] = field(default_factory=list)   # layers per chunk; empty: balanced
     timeout_s: float = 600.0     # seconds any collective may wait before the job fails
     gpus_per_node: int = 0       # ranks per node; 0: LOCAL_WORLD_SIZE from the launcher, else one node
+    expert_placement: str = "contiguous"  # experts on EP ranks: contiguous, balanced, a JSON's path
+    expert_replicas: int = 0     # replica slots per EP rank for hot experts (balanced, a file)
+    placement_from: str = ""     # balanced: the run whose expert_load.jsonl gives the load
+    placement_window: int = 0    # balanced: the last N recorded steps of that load; 0: all of them
+    replace_every: int = 0       # re-place experts (balanced) every K steps from their load; 0: never
 
     def __post_init__(self):
         if self.dp < 0:
@@ -102,13 +107,42 @@ class ParallelConfig:
         check_number("parallel.timeout_s", self.timeout_s, strict=True)
         if self.gpus_per_node < 0:
             raise ValueError(f"parallel.gpus_per_node={self.gpus_per_node} must be >= 0")
+        self._check_placement()
         if self.backend not in ("auto", "gloo", "nccl"):
             raise ValueError(f"parallel.backend={self.backend!r} is not one of 'auto', 'gloo', 'nccl'")
         # timeout_s: a datetime.timedelta overflows past ~10^14 s; 30 days is already no timeout
         check_at_most("parallel", self, {"dp": 1 << 20, "tp": 1 << 16, "pp": 1 << 12, "ep": 1 << 16,
                                          "a2a_chunks": 1 << 12, "pp_virtual": 1 << 12,
                                          "bucket_mb": 1 << 20, "timeout_s": 30 * 86400,
-                                         "gpus_per_node": 1 << 12})
+                                         "gpus_per_node": 1 << 12, "expert_replicas": 1 << 12,
+                                         "placement_window": 1 << 40, "replace_every": 1 << 40})
+
+    def _check_placement(self):
+        p = self.expert_placement
+        if not p:
+            raise ValueError("parallel.expert_placement is empty: give 'contiguous', 'balanced' "
+                             "or the path of a placement JSON file")
+        if min(self.expert_replicas, self.placement_window, self.replace_every) < 0:
+            raise ValueError(f"parallel.expert_replicas={self.expert_replicas}, "
+                             f"parallel.placement_window={self.placement_window} and "
+                             f"parallel.replace_every={self.replace_every} must be >= 0")
+        if self.dispatcher == "hierarchical" and (p != "contiguous" or self.replace_every):
+            raise ValueError(f"parallel.dispatcher='hierarchical' needs parallel.expert_placement="
+                             f"'contiguous' and no parallel.replace_every (its router groups are "
+                             f"aligned to nodes by expert id), not {p!r}")
+        if self.replace_every and self.zero:
+            raise ValueError(f"parallel.replace_every={self.replace_every} needs parallel.zero=0, "
+                             f"not {self.zero}: ZeRO shards the experts' rows by position")
+        if p == "balanced" and not self.placement_from:
+            raise ValueError("parallel.expert_placement='balanced' needs parallel.placement_from: "
+                             "the run directory whose expert_load.jsonl gives the measured load")
+        if self.placement_from and p != "balanced":
+            raise ValueError(f"parallel.placement_from={self.placement_from!r} is only read by "
+                             f"parallel.expert_placement='balanced', not {p!r}")
+        if self.expert_replicas and p == "contiguous":
+            raise ValueError(f"parallel.expert_replicas={self.expert_replicas} needs "
+                             "parallel.expert_placement='balanced' or a placement file: the "
+                             "contiguous placement has no replica slots")
 
 
 @dataclass

@@ -35,6 +35,7 @@ from moepar.checkpoint import PendingSave, latest_checkpoint, load_checkpoint
 from moepar.cluster import check_shared_filesystem
 from moepar.config import RunConfig, to_dict
 from moepar.data.sources import build_sampler
+from moepar.expert_placement import Replacer, describe as describe_placement
 from moepar.layers.shapes import param_count
 from moepar.loss_scale import LossScaler
 from moepar.metrics import MetricsWriter, PendingMetrics, StepStats
@@ -132,6 +133,12 @@ class Trainer:
             self.log(f"initialised weights from {cfg.run.init_from}")
         if self.dims.gpus_per_node:
             self.log(f"nodes: {self.dims.describe_nodes()}")
+        placement = self.rank == 0 and describe_placement(cfg, self.dims.ep,
+                                                          self.dims.gpus_per_node)
+        if placement:
+            self.log(placement)
+        self.replacer = (Replacer(cfg, self.engine, self.dims.ep, self.dims.gpus_per_node)
+                         if cfg.parallel.replace_every and self.dims.ep > 1 else None)
         self.log(f"layout: {self.dims.describe()}; zero {cfg.parallel.zero}; "
                  f"{self.num_local_micro} micro-batch(es) of "
                  f"{tcfg.micro_batch_size} per rank per step; device {self.device}")
@@ -417,6 +424,10 @@ class Trainer:
                     records.append(record)
                     bias_LE = self.expert_bias_LE()   # every rank; expert_load.jsonl keeps it
                     pending.add(record, self.last_stats, bias_LE)
+                    if self.replacer is not None:     # every rank, between steps
+                        moved = self.replacer.after_step(self.step, self.last_stats.tokens_LE)
+                        if moved:
+                            self.log(moved)
                     every = cfg.run.checkpoint_every
                     log_due = self.step % (cfg.run.log_every or 1) == 0 or self.step == 1 or \
                         self.step == cfg.train.steps

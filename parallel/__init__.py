@@ -79,6 +79,7 @@ class Options:
     seed: int = 0                      # initial values (layers/init.py), the same at any layout
     materialize: bool = True           # False: stay on meta (memory simulation)
     training: bool = True              # keep float32 masters for an optimizer (bf16 training)
+    expert_maps: dict | None = None    # MoE layer number -> ExpertMap (expert_map.py); contiguous
 
 
 def parallelize(model, layout: Layout, options: Options) -> ParallelModel:
@@ -90,7 +91,7 @@ def parallelize(model, layout: Layout, options: Options) -> ParallelModel:
     param_dtype = next(model.parameters()).dtype
     if dims.ep > 1:
         apply_ep(model, dims, layout.meshes, layout.rank, p.dispatcher, p.debug_splits,
-                 p.a2a_chunks)
+                 p.a2a_chunks, options.expert_maps)
     if dims.tp > 1:
         apply_tp(model, dims, layout.meshes, options.seq_len)
     if options.recompute != "none":

@@ -27,6 +27,8 @@ from torch.nn.utils import get_total_norm
 from moepar.layers.router import TopKRouter
 
 from .dims import Layout
+from .expert import moe_layers_by_id
+from .expert_move import apply_map, move_experts
 from .grads import all_reduce_sum, clip_gradients, grad_norm, grad_norm_groups
 from .local_runner import LocalRunner
 from .pipeline_runner import PipelineRunner
@@ -192,6 +194,25 @@ class ParallelModel:
         if self.layout.dims.pp > 1:
             all_reduce_sum([bias_LE], self.layout.group("pp"))
         return bias_LE
+
+    def replace_experts(self, old: dict, new: dict):
+        """Moves each MoE layer's experts from placement `old[layer]` to `new[layer]` (layer
+        number -> ExpertMap; expert_move.py): weights, masters and AdamW moments in one
+        all-to-all over ep per layer, between steps (zero 0 only). Every rank of the EP group
+        calls it with the same maps."""
+        if self.zero:
+            raise ValueError(f"re-placing experts (parallel.replace_every) needs parallel.zero=0, "
+                             f"not {self.zero}: ZeRO shards expert rows by position")
+        group, ep_rank = self.layout.group("ep"), self.layout.coords.ep
+        for layer_id, moe in moe_layers_by_id(self.model):
+            tensors = []
+            for p in (moe.experts.w_in_EDU, moe.experts.w_out_EFD):
+                master = self.masters.master(p)
+                tensors += [p] + ([master] if master is not p else [])
+                tensors += [s for s in self.optimizer.state.get(master, {}).values()
+                            if torch.is_tensor(s) and s.shape == p.shape]
+            move_experts(tensors, old[layer_id], new[layer_id], group, ep_rank)
+            apply_map(moe, new[layer_id], group, ep_rank)
 
     # ---- where tensors sit (init and checkpoints) --------------------------------------------
     def model_shards(self) -> list[LocalTensor]:

@@ -88,7 +88,7 @@ class Placement:
         fsdp = hasattr(tensor, "placements")
         if split is not None:
             prefix, module, short = split
-            names = [f"{prefix}.{module.expert_offset + e}.{short}" for e in range(tensor.shape[0])]
+            names = [f"{prefix}.{e}.{short}" for e in module.expert_ids]
             segments = whole_segments(name, tuple(tensor.shape), names)
             writes = fsdp or not data_replicas or coords.edp == 0
         else:

@@ -4,6 +4,7 @@
 |------------|--------------|---------------------------------------------------------------------|
 | moe-layer  | moe_layer.py | one MoE layer's forward + backward against dense floors (--ep N: EP) |
 | dispatch   | ep.py        | bytes on the wire and all-to-all time of each EP dispatcher          |
+| placement  | placement.py | skewed load: busiest EP rank's rows, layer time; contiguous/balanced |
 | memory     | memory.py    | bytes per rank of parameters, gradients, optimizer state vs formula  |
 | pipeline   | pipeline.py  | measured bubble and activation memory per pipeline stage             |
 | checkpoint | checkpoint.py| build, save and load seconds and peak memory per rank vs its shard   |
@@ -22,7 +23,7 @@ import os
 import sys
 
 from moepar.bench import (checkpoint, ep, hf_baseline, memory, moe_layer, optimizer, pipeline,
-                          simulate, traffic, train)
+                          placement, simulate, traffic, train)
 from moepar.bench.ticker import Ticker
 from moepar.config import load_config
 from moepar.launch import launch
@@ -73,6 +74,17 @@ def build_parser() -> argparse.ArgumentParser:
                    help="groups each token may use (router.topk_group)")
     p.add_argument("--a2a-chunks", type=int, default=1,
                    help="expert chunks pipelined between the all-to-alls (parallel.a2a_chunks)")
+    _timing_options(p)
+    p = sub.add_parser("placement", help="skewed load: contiguous vs balanced expert placement",
+                       description="One EP MoE layer under a skewed load, contiguous and balanced "
+                                   "from its measured load: busiest rank's rows over the mean, "
+                                   "and forward + backward time.")
+    _layer_options(p)
+    p.add_argument("--ep", type=int, required=True, help="expert-parallel processes (>= 2)")
+    p.add_argument("--skew", type=float, default=0.5,
+                   help="router selection bias on expert 0, falling linearly to 0 on the last")
+    p.add_argument("--replicas", type=int, default=1,
+                   help="replica slots per rank (parallel.expert_replicas)")
     _timing_options(p)
     p = sub.add_parser("memory", help="bytes per rank against the ZeRO formula",
                        description="Builds a model, trains one step on dp*tp local processes and "
@@ -233,6 +245,18 @@ def main(argv: list[str]) -> int:
     if args.what == "dispatch" and (args.gpus_per_node < 0 or (
             0 < args.gpus_per_node < args.ep and args.ep % args.gpus_per_node)):
         parser.error(f"--gpus-per-node {args.gpus_per_node} must divide --ep {args.ep}")
+    if args.what == "placement" and args.ep < 2:
+        parser.error("placement needs --ep >= 2")
+    if args.what == "placement":
+        if args.experts % args.ep or args.replicas < 0:
+            parser.error(f"--experts {args.experts} must be divisible by --ep {args.ep}, and "
+                         f"--replicas {args.replicas} >= 0")
+        if not _launched():
+            return _relaunch(args.ep, argv)
+        result = placement.worker_main(args, moe_layer.DTYPES[args.dtype])
+        if _rank0():
+            print(json.dumps(result), flush=True) if args.json else placement.print_result(result)
+        return 0
     if args.ep > 1 or args.what == "dispatch":
         if args.experts % args.ep:
             parser.error(f"--experts {args.experts} must be divisible by --ep {args.ep}")

@@ -33,7 +33,7 @@ from moepar.parallel.expert import apply_ep
 from moepar.parallel.hierarchical import node_layout
 from moepar.process import end_process_group
 
-__all__ = ["worker_main", "print_dispatch"]
+__all__ = ["worker_main", "print_dispatch", "setup"]
 
 
 class _Meter:
@@ -78,7 +78,8 @@ def metered_all_to_all(meter: _Meter):
         dist.all_to_all_single = real
 
 
-def _setup(ep: int, experts: int, gpus_per_node: int = 0):
+def setup(ep: int, experts: int, gpus_per_node: int = 0):
+    """(rank, dims, meshes) of an EP world of local gloo processes, one thread each."""
     torch.set_num_threads(1)
     if not dist.is_initialized():
         dist.init_process_group("gloo")
@@ -136,7 +137,7 @@ def _counted_node_bytes(moe, x, args, esize: int, ranks: int) -> dict:
 
 
 def bench_dispatch(args, dtype) -> dict:
-    rank, dims, meshes = _setup(args.ep, args.experts, args.gpus_per_node)
+    rank, dims, meshes = setup(args.ep, args.experts, args.gpus_per_node)
     ranks = node_layout(args.ep, dims.gpus_per_node, args.experts, args.n_group)
     gen = torch.Generator().manual_seed(1000 + rank)
     x = torch.randn(args.tokens, args.dim, dtype=dtype, generator=gen, requires_grad=True)
@@ -202,7 +203,7 @@ def bench_dispatch(args, dtype) -> dict:
 
 
 def bench_moe_layer_ep(args, dtype) -> dict:
-    rank, dims, meshes = _setup(args.ep, args.experts)
+    rank, dims, meshes = setup(args.ep, args.experts)
     moe = _moe(args, dtype, rank, dims, meshes)
     ideal = FeedForward(args.dim, args.ffn_dim).to(dtype)
     plain = PlainSwiGLU(args.dim, args.top_k * args.ffn_dim).to(dtype)
