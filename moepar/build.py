@@ -79,5 +79,6 @@ def build_engine(cfg: RunConfig, layout, device, num_local_micro: int, materiali
                       seq_len=t.seq_len, recompute=t.recompute,
                       compile=t.compile, compile_backend=t.compile_backend,
                       compute_dtype=COMPUTE_DTYPES.get(t.dtype), fp32_residual=t.fp32_residual,
-                      seed=t.seed, materialize=materialize, training=training)
+                      seed=t.seed, materialize=materialize, training=training,
+                      mtp_coeff=t.mtp_coeff)
     return parallelize(model, layout, options)

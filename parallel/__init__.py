@@ -75,6 +75,7 @@ class Options:
     seed: int = 0                      # initial values (layers/init.py), the same at any layout
     materialize: bool = True           # False: stay on meta (memory simulation)
     training: bool = True              # keep float32 masters for an optimizer (bf16 training)
+    mtp_coeff: float = 0.0             # weight of the mean MTP loss (model.mtp_layers)
 
 
 def parallelize(model, layout: Layout, options: Options) -> ParallelModel:
@@ -82,7 +83,7 @@ def parallelize(model, layout: Layout, options: Options) -> ParallelModel:
     the fixed order; returns the handle the trainer talks to (see handle.py)."""
     dims, p = layout.dims, options.parallel
     canonical = canonical_tensors(model)              # the whole model's names and shapes
-    moe_layer_ids = [block.layer_id for block in model.layers if block.is_moe]
+    moe_layer_ids = [block.layer_id for block in model.blocks() if block.is_moe]
     param_dtype = next(model.parameters()).dtype
     if dims.ep > 1:
         apply_ep(model, dims, layout.meshes, layout.rank, p.dispatcher, p.debug_splits,
@@ -121,10 +122,11 @@ def parallelize(model, layout: Layout, options: Options) -> ParallelModel:
                                     schedule=p.pp_schedule, autocast=precision.autocast,
                                     act_dtype=precision.residual_dtype,
                                     wire_dtype=options.compute_dtype,
-                                    balance_group=layout.group("dp"))
+                                    balance_group=layout.group("dp"),
+                                    mtp_coeff=options.mtp_coeff)
         else:
             runner = LocalRunner(model, options.num_micro, loss_fn, autocast=precision.autocast,
-                                 balance_group=layout.group("dp"))
+                                 balance_group=layout.group("dp"), mtp_coeff=options.mtp_coeff)
     return ParallelModel(model, layout, canonical, moe_layer_ids, p.zero, options.num_micro,
                          sync, optimizer, runner, masters, precision, compiled)
 
