@@ -5,7 +5,6 @@ with the logits of moepar's forward of the same checkpoint; the MTP layer is in 
 
 import json
 import pathlib
-import shlex
 import subprocess
 import sys
 
@@ -15,6 +14,7 @@ from safetensors.torch import load_file
 
 transformers = pytest.importorskip("transformers")
 
+from configs import example_commands  # noqa: E402
 from moepar.checkpoint import load_checkpoint  # noqa: E402
 from moepar.cli import main as cli_main  # noqa: E402
 from moepar.config import load_config  # noqa: E402
@@ -36,20 +36,13 @@ def test_tiny_dsv3_is_deepseek_v3_shaped_with_mtp():
 
 
 def test_tiny_dsv3_trains_exports_and_opens_in_transformers(tmp_path):
-    commands = [shlex.split(line.lstrip("# ")) for line in EXAMPLE.read_text().splitlines()
-                if line.startswith("#   moepar ")]
-    assert [c[1] for c in commands] == ["train", "convert"]
     run = tmp_path / "run"
-    for words in commands:
-        words = [w.replace("runs/tiny_dsv3", str(run)).replace("step_100", "step_3") for w in words]
-        if words[1] == "train":
-            words += ["--train.steps=3", "--train.warmup_steps=1", "--run.log_every=1",
-                      "--run.tensorboard=false", f"--run.dir={run}"]
-            result = subprocess.run([sys.executable, "-m", "moepar", *words[1:]],
-                                    capture_output=True, text=True, timeout=280, cwd=ROOT)
-            assert result.returncode == 0, result.stderr[-3000:]
-        else:      # the convert command in this process: no second interpreter to start
-            assert cli_main(words[1:]) == 0
+    (train, convert) = example_commands(EXAMPLE, run, "tiny_dsv3", "step_100")
+    assert (train[0], convert[0]) == ("train", "convert")
+    result = subprocess.run([sys.executable, "-m", "moepar", *train], capture_output=True,
+                            text=True, timeout=280, cwd=ROOT)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert cli_main(convert) == 0     # in this process: no second interpreter to start
     records = [json.loads(l) for l in (run / "metrics.jsonl").read_text().splitlines()]
     assert all(r["mtp_loss"] > 0 for r in records) and len(records) == 3
     checkpoint = run / "checkpoints" / "step_3"
