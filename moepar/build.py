@@ -107,5 +107,6 @@ def build_engine(cfg: RunConfig, layout, device, num_local_micro: int, materiali
                       compile=t.compile, compile_backend=t.compile_backend,
                       compute_dtype=COMPUTE_DTYPES.get(t.dtype), fp32_residual=t.fp32_residual,
                       seed=t.seed, materialize=materialize, training=training,
-                      expert_maps=build_expert_maps(cfg, layout.dims.ep, layout.dims.gpus_per_node))
+                      expert_maps=build_expert_maps(cfg, layout.dims.ep, layout.dims.gpus_per_node),
+                      mtp_coeff=t.mtp_coeff)
     return parallelize(model, layout, options)

@@ -178,6 +178,7 @@ class TrainConfig:
     max_skipped_steps: int = 5     # more consecutive skipped steps than this: the run has diverged, stop
     eval_every: int = 0            # steps between validation losses (and the last step); 0: none
     eval_batches: int = 1          # global batches (global_batch_size sequences) per validation
+    mtp_coeff: float = 0.3         # weight of the mean MTP loss (model.mtp_layers; DeepSeek-V3: 0.3, later 0.1)
 
     def __post_init__(self):
         for name in ("steps", "micro_batch_size", "global_batch_size", "seq_len", "eval_batches"):
@@ -222,7 +223,7 @@ class TrainConfig:
         check_number("train.lr", self.lr, strict=True)
         if not 0 <= self.min_lr_ratio <= 1:
             raise ValueError(f"train.min_lr_ratio={self.min_lr_ratio} must be in [0, 1]")
-        for name in ("warmup_steps", "weight_decay", "grad_clip", "eps", "loss_scale"):
+        for name in ("warmup_steps", "weight_decay", "grad_clip", "eps", "loss_scale", "mtp_coeff"):
             check_number(f"train.{name}", getattr(self, name))
         for name in ("beta1", "beta2"):
             if not 0 <= getattr(self, name) < 1:
@@ -383,6 +384,13 @@ class RunConfig:
                 raise ValueError(f"router.type={self.router.type!r} with parallel.tp={p.tp} is not "
                                  "supported (each expert would need every slice's scores); use "
                                  "router.type='topk'")
+        if self.model.mtp_layers and p.tp > 1:
+            raise ValueError(f"model.mtp_layers={self.model.mtp_layers} with parallel.tp={p.tp} is "
+                             "not supported (the MTP blocks are not tensor-parallel); use "
+                             "parallel.tp=1 or model.mtp_layers=0")
+        if self.model.mtp_layers >= self.train.seq_len:
+            raise ValueError(f"model.mtp_layers={self.model.mtp_layers} must be < train.seq_len="
+                             f"{self.train.seq_len} (depth k predicts k+1 tokens ahead)")
         if p.dispatcher == "hierarchical" and p.gpus_per_node:   # (0: the launcher's, build_dims)
             node_layout(p.ep, p.gpus_per_node, self.model.num_experts, self.router.n_group)
         if p.pp == 1 and p.pp_virtual > 1:
@@ -403,6 +411,10 @@ class RunConfig:
         if self.data.pack != "none" and p.tp > 1:
             raise ValueError(f"data.pack={self.data.pack!r} with parallel.tp={p.tp}: packed "
                              "documents run with tp = 1 for now (dp, ep, pp and zero compose)")
+        if self.data.pack != "none" and self.model.mtp_layers:
+            raise ValueError(f"data.pack={self.data.pack!r} with model.mtp_layers="
+                             f"{self.model.mtp_layers}: the MTP depths do not mask documents yet; "
+                             "use data.pack='none' or model.mtp_layers=0")
         if self.data.pad and self.router.type != "topk":
             raise ValueError(f"data.pad=true with router.type={self.router.type!r}: experts "
                              "would choose padding; use router.type='topk'")

@@ -245,8 +245,9 @@ class Trainer:
         flags = self._step_flags()
         # The step's one host sync: loss, grad norm and the two agreed flags together; clipping
         # follows it, so a step within the limit multiplies no gradient.
-        loss_sum_v, grad_norm, params_bad, stop = torch.cat(
-            [loss_sum.reshape(1).double(), grad_norm_t.reshape(1).double(), flags]).tolist()
+        loss_sum_v, grad_norm, params_bad, stop, mtp_sum = torch.cat(
+            [loss_sum.reshape(1).double(), grad_norm_t.reshape(1).double(), flags,
+             stats.mtp_1]).tolist()
         first = self._params_unchecked_from
         if self._params_check is not None:       # the updates so far were checked just now
             self._params_check = self._params_unchecked_from = None
@@ -298,6 +299,8 @@ class Trainer:
         # (metrics.PendingMetrics); `stats.summary()` reads them now.
         record = {"step": self.step, "loss": loss, "grad_norm": grad_norm, "lr": lr,
                   "tokens_per_s": tokens / elapsed, "skipped": skipped}
+        if self.cfg.model.mtp_layers:   # "loss" is the main model's; the trained one adds this
+            record["mtp_loss"] = mtp_sum / self.num_micro
         self.last_stats = stats
         return record
 

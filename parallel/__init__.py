@@ -80,6 +80,7 @@ class Options:
     materialize: bool = True           # False: stay on meta (memory simulation)
     training: bool = True              # keep float32 masters for an optimizer (bf16 training)
     expert_maps: dict | None = None    # MoE layer number -> ExpertMap (expert_map.py); contiguous
+    mtp_coeff: float = 0.0             # weight of the mean MTP loss (model.mtp_layers)
 
 
 def parallelize(model, layout: Layout, options: Options) -> ParallelModel:
@@ -87,7 +88,7 @@ def parallelize(model, layout: Layout, options: Options) -> ParallelModel:
     the fixed order; returns the handle the trainer talks to (see handle.py)."""
     dims, p = layout.dims, options.parallel
     canonical = canonical_tensors(model)              # the whole model's names and shapes
-    moe_layer_ids = [block.layer_id for block in model.layers if block.is_moe]
+    moe_layer_ids = [block.layer_id for block in model.blocks() if block.is_moe]
     param_dtype = next(model.parameters()).dtype
     if dims.ep > 1:
         apply_ep(model, dims, layout.meshes, layout.rank, p.dispatcher, p.debug_splits,
@@ -127,10 +128,11 @@ def parallelize(model, layout: Layout, options: Options) -> ParallelModel:
                                     schedule=p.pp_schedule, autocast=precision.autocast,
                                     act_dtype=precision.residual_dtype,
                                     wire_dtype=options.compute_dtype,
-                                    balance_group=layout.group("dp"))
+                                    balance_group=layout.group("dp"),
+                                    mtp_coeff=options.mtp_coeff)
         else:
             runner = LocalRunner(model, options.num_micro, loss_fn, autocast=precision.autocast,
-                                 balance_group=layout.group("dp"))
+                                 balance_group=layout.group("dp"), mtp_coeff=options.mtp_coeff)
     qk_clip = None
     if options.qk_clip > 0 and runner is not None:
         qk_clip = QKClip(model, options.qk_clip, masters, layout.group("dp"), layout.device)

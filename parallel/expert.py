@@ -56,7 +56,7 @@ def shard_experts(experts: GroupedExperts, ep: int, ep_rank: int,
 def moe_layers_by_id(model) -> list[tuple[int, MoE]]:
     """(the model's layer number, MoE) for a Transformer; (0, module) for a lone MoE layer."""
     if hasattr(model, "layers"):
-        return [(block.layer_id, block.ffn) for block in model.layers if block.is_moe]
+        return [(block.layer_id, block.ffn) for block in model.blocks() if block.is_moe]
     return [(0, m) for m in model.modules() if isinstance(m, MoE)]
 
 

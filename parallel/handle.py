@@ -89,6 +89,7 @@ class ParallelModel:
             after_action=lambda a: self._around(a, True), **packed)
         for outs, balance in zip(moe_outputs, self.runner.balance_values, strict=True):
             stats.add(outs, self.moe_router_cfg, self.moe_indices, balance)
+        stats.mtp_1 += self.runner.mtp_sum    # reduced with the statistics (finish_step)
         return loss_sum
 
     def set_loss_scale(self, scale: float):

@@ -217,7 +217,7 @@ class FullyShardedSync:
             return lambda p: Shard(next((d for d in range(p.dim()) if p.shape[d] % size == 0), 0))
 
         expert_scale = dims.edp / dims.dp
-        for block in model.layers:
+        for block in model.blocks():     # the MTP depths' blocks too (layers/mtp.py)
             if block.is_moe:
                 experts = block.ffn.experts
                 fully_shard(experts, mesh=edp_mesh, mp_policy=policy,

@@ -1,6 +1,7 @@
 """Tiny run configs shared by the tests: a 2-layer, 4-expert model that trains in a second."""
 
 import os
+import shlex
 
 import torch
 
@@ -63,3 +64,20 @@ def tiny_mixtral(folder, **fields):
     model = transformers.MixtralForCausalLM(transformers.MixtralConfig(**config)).eval()
     model.save_pretrained(folder)
     return model
+
+
+def example_commands(example, run_dir, run_name: str, last_step: str) -> list[list[str]]:
+    """The `#   moepar ...` commands of an example's header (argv after `moepar`), pointed at
+    run_dir instead of runs/<run_name> and shortened to a 3-step training run whose last
+    checkpoint stands in for `last_step` (e.g. "step_200")."""
+    out = []
+    for line in example.read_text().splitlines():
+        if not line.startswith("#   moepar "):
+            continue
+        words = [w.replace(f"runs/{run_name}", str(run_dir)).replace(last_step, "step_3")
+                 for w in shlex.split(line.lstrip("# "))[1:]]
+        if words[0] == "train":
+            words += ["--train.steps=3", "--train.warmup_steps=1", "--run.log_every=1",
+                      "--run.tensorboard=false", f"--run.dir={run_dir}"]   # not the config's
+        out.append(words)
+    return out

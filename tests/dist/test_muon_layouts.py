@@ -5,16 +5,12 @@ single-process steps, and resuming a Muon run is exact. MuonClip is on throughou
 per-head maxima, reduced over dp, and its row scaling of tp shards and FSDP2 rows are checked
 too."""
 
-import math
-
 import pytest
-import torch
 import torch.distributed as dist
 
 from configs import tiny_config
-from moepar.checkpoint import load_checkpoint
-from moepar.layers import Transformer
 from moepar.train import Trainer
+from parity_checks import assert_checkpoint_equals, assert_same_steps
 
 STEPS = 3
 COMMON = ["--train.dtype=float64", f"--train.steps={STEPS}", "--train.global_batch_size=8",
@@ -66,16 +62,9 @@ def test_muon_layout_parity(worlds, tmp_path, single, size, overrides):
     run_dir = str(tmp_path / "run")
     results = worlds(size).run(case_train, run_dir, overrides + ["--run.checkpoint_every=3"],
                                timeout=240)
-    for records in results:
-        assert len(records) == len(ref_records) == STEPS
-        for step, (got, want) in enumerate(zip(records, ref_records, strict=True), 1):
-            for g, w in zip(got, want, strict=True):
-                assert math.isclose(g, w, rel_tol=1e-9, abs_tol=1e-12), (step, got, want)
-    model = Transformer(ref_trainer.cfg.model, ref_trainer.cfg.router).double()
-    load_checkpoint(f"{run_dir}/checkpoints/step_{STEPS}", model)
-    ref = ref_trainer.model.state_dict()
-    for name, p in model.state_dict().items():
-        torch.testing.assert_close(p, ref[name], rtol=1e-9, atol=1e-12, msg=name)
+    assert len(ref_records) == STEPS
+    assert_same_steps(results, ref_records)
+    assert_checkpoint_equals(f"{run_dir}/checkpoints/step_{STEPS}", ref_trainer)
 
 
 def test_muon_resume_is_exact(worlds, tmp_path):

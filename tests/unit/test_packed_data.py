@@ -89,6 +89,7 @@ def test_padded_windows_hold_whole_documents(folder):
     (["--data.pack=documents", "--parallel.tp=2"], "parallel.tp=2"),
     (["--data.pack=documents", "--data.pad=true", "--router.type=expert_choice",
       "--router.capacity_factor=1.0"], "router.type='expert_choice'"),
+    (["--data.pack=documents", "--model.mtp_layers=1"], "the MTP depths do not mask documents"),
 ])
 def test_config_refuses_what_does_not_pack(folder, tmp_path, overrides, message):
     base = ["--data.source=tokens", f"--data.path={folder}", f"--run.dir={tmp_path}"]
