@@ -35,10 +35,21 @@ def test_tiny_dsv3_is_deepseek_v3_shaped_with_mtp():
     assert (r.score_func, r.n_group, r.topk_group) == ("sigmoid", 4, 2) and r.bias_update_rate > 0
 
 
+def test_tiny_dsv3_ep4_command_is_node_aligned_with_muon(tmp_path):
+    """The header's 4-process command (not run here: a training subprocess already runs below)
+    loads as 2 "nodes" of 2 ranks, each node holding 2 of the 4 router groups, with Muon."""
+    (_, train_ep4, _) = example_commands(EXAMPLE, tmp_path, "tiny_dsv3", "step_100")
+    nproc = train_ep4.index("--nproc")
+    cfg = load_config(train_ep4[1], train_ep4[nproc + 2:])
+    p = cfg.parallel
+    assert (train_ep4[nproc + 1], p.ep, p.gpus_per_node, p.dispatcher) == ("4", 4, 2, "hierarchical")
+    assert cfg.train.optimizer == "muon" and cfg.router.n_group % (p.ep // p.gpus_per_node) == 0
+
+
 def test_tiny_dsv3_trains_exports_and_opens_in_transformers(tmp_path):
     run = tmp_path / "run"
-    (train, convert) = example_commands(EXAMPLE, run, "tiny_dsv3", "step_100")
-    assert (train[0], convert[0]) == ("train", "convert")
+    (train, train_ep4, convert) = example_commands(EXAMPLE, run, "tiny_dsv3", "step_100")
+    assert (train[0], train_ep4[0], convert[0]) == ("train", "train", "convert")
     result = subprocess.run([sys.executable, "-m", "moepar", *train], capture_output=True,
                             text=True, timeout=280, cwd=ROOT)
     assert result.returncode == 0, result.stderr[-3000:]
