@@ -131,6 +131,8 @@ class Routing:
     # True when no assignment can be dropped (dropless top-k, expert choice): then all N are
     # kept, a number the host knows without reading the device (no sync on one rank).
     dropless: bool = False
+    # Top-k routing: each copy's expert before capacity drops (what a routing record keeps).
+    choice_N: torch.Tensor | None = None
 
 
 @dataclass(frozen=True)
@@ -229,17 +231,20 @@ class TopKRouter(RouterBase):
             choice_TE = choice_TGe.masked_fill(~keep_TG[..., None], float("-inf")).view(num_tokens, -1)
         return choice_TE.topk(self.top_k, dim=-1).indices
 
-    def forward(self, x_TD, seq_len: int | None = None) -> "RouterOutput":
-        """(Routing, RouterLosses, RoutingStats) for one capacity group of T tokens."""
+    def forward(self, x_TD, seq_len: int | None = None,
+                replay_TK: torch.Tensor | None = None) -> "RouterOutput":
+        """(Routing, RouterLosses, RoutingStats) for one capacity group of T tokens.
+
+        `replay_TK` (routing replay, layers/replay.py): the experts to use instead of selecting
+        and dropping, id E + e for a copy of expert e that capacity dropped; the combine weights
+        are still the scores at those experts, so the router gets its gradient."""
         cfg, num_tokens = self.cfg, x_TD.shape[0]
         logits_TE = self.logits(x_TD)
         scores_TE = self.scores(logits_TE)
+        if replay_TK is not None:
+            return self._replayed(logits_TE, scores_TE, replay_TK, seq_len or num_tokens)
         experts_TK = self.select(scores_TE.detach())
-        weights_TK = scores_TE.gather(1, experts_TK)
-        if cfg.norm_topk_prob:
-            weights_TK = weights_TK / (weights_TK.sum(-1, keepdim=True) + 1e-20)
-        if cfg.routed_scaling_factor != 1.0:
-            weights_TK = weights_TK * cfg.routed_scaling_factor
+        weights_TK = self._weights(scores_TE, experts_TK)
         seq_len = seq_len or num_tokens
 
         expert_N = experts_TK.flatten()
@@ -248,7 +253,37 @@ class TopKRouter(RouterBase):
             keep_N = self._keep(expert_N, weight_N.detach(), seq_len)
             expert_N = torch.where(keep_N, expert_N, self.num_experts)
         token_N = torch.arange(num_tokens, device=x_TD.device).repeat_interleave(self.top_k)
-        routing = Routing(token_N, expert_N, weight_N, self.top_k, cfg.capacity_factor is None)
+        routing = Routing(token_N, expert_N, weight_N, self.top_k, cfg.capacity_factor is None,
+                          experts_TK.flatten())
+        return RouterOutput(routing, *self._losses(logits_TE, scores_TE, experts_TK, expert_N,
+                                                   seq_len))
+
+    def _weights(self, scores_TE, experts_TK):
+        """Combine weights: the scores at the chosen experts, normalised and scaled by config."""
+        cfg = self.cfg
+        weights_TK = scores_TE.gather(1, experts_TK)
+        if cfg.norm_topk_prob:
+            weights_TK = weights_TK / (weights_TK.sum(-1, keepdim=True) + 1e-20)
+        if cfg.routed_scaling_factor != 1.0:
+            weights_TK = weights_TK * cfg.routed_scaling_factor
+        return weights_TK
+
+    def _replayed(self, logits_TE, scores_TE, replay_TK, seq_len: int):
+        """The routing of replayed experts: no selection and no capacity; the recorded drops
+        (id E + e) stay dropped, and their expert e still counts in the balance losses and in
+        norm_topk_prob's sum, as in the recorded run."""
+        num_tokens, num_experts = scores_TE.shape
+        if tuple(replay_TK.shape) != (num_tokens, self.top_k):
+            raise ValueError(f"routing replay gives experts of shape {tuple(replay_TK.shape)} "
+                             f"for {num_tokens} tokens of top-{self.top_k} routing")
+        replay_TK = replay_TK.to(device=scores_TE.device, dtype=torch.long)
+        experts_TK = replay_TK % num_experts                 # the choice before drops
+        weights_TK = self._weights(scores_TE, experts_TK)
+        expert_N = torch.where(replay_TK < num_experts, replay_TK, num_experts).flatten()
+        token_N = torch.arange(num_tokens, device=scores_TE.device).repeat_interleave(self.top_k)
+        # dropless=False: a replayed copy may be a recorded drop, which the host cannot know.
+        routing = Routing(token_N, expert_N, weights_TK.flatten(), self.top_k, False,
+                          experts_TK.flatten())
         return RouterOutput(routing, *self._losses(logits_TE, scores_TE, experts_TK, expert_N,
                                                    seq_len))
 

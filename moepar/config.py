@@ -137,6 +137,8 @@ class TrainConfig:
     max_skipped_steps: int = 5     # more consecutive skipped steps than this: the run has diverged, stop
     eval_every: int = 0            # steps between validation losses (and the last step); 0: none
     eval_batches: int = 1          # global batches (global_batch_size sequences) per validation
+    record_routing: str = ""       # DIR: write each step's expert choices there (docs/routing-replay.md)
+    router_replay: str = ""        # DIR: route by the choices recorded there; the router still trains
 
     def __post_init__(self):
         for name in ("steps", "micro_batch_size", "global_batch_size", "seq_len", "eval_batches"):
@@ -321,6 +323,7 @@ class RunConfig:
                 raise ValueError(f"router.type={self.router.type!r} with parallel.tp={p.tp} is not "
                                  "supported (each expert would need every slice's scores); use "
                                  "router.type='topk'")
+        check_routing_replay(self)
         if p.pp == 1 and p.pp_virtual > 1:
             raise ValueError(f"parallel.pp_virtual={p.pp_virtual} needs parallel.pp > 1")
         if self.train.seq_len > self.model.max_seq_len:
@@ -335,6 +338,25 @@ class RunConfig:
         if self.data.source in ("builtin", "text") and self.model.vocab_size < 256:
             raise ValueError(f"model.vocab_size={self.model.vocab_size} must be >= 256 for the "
                              f"byte-level tokenizer (data.source={self.data.source!r})")
+
+
+def check_routing_replay(cfg: "RunConfig"):
+    """train.record_routing / train.router_replay need every rank to route whole sequences of
+    every MoE layer with top-k routing (moepar/routing.py)."""
+    t, p = cfg.train, cfg.parallel
+    key = "train.record_routing" if t.record_routing else "train.router_replay"
+    if not (t.record_routing or t.router_replay):
+        return
+    if t.record_routing and t.router_replay:
+        raise ValueError("train.record_routing and train.router_replay are both set: a replayed "
+                         "run's choices are the recorded ones; set one")
+    if p.pp > 1 or p.tp > 1:
+        raise ValueError(f"{key} with parallel.pp={p.pp}, parallel.tp={p.tp}: routing is "
+                         "recorded and replayed by whole sequences of every MoE layer; use "
+                         "pp = tp = 1 (any dp, ep and zero)")
+    if cfg.router.type != "topk" or cfg.model.num_experts == 0:
+        raise ValueError(f"{key} needs token-choice routing (router.type='topk', "
+                         f"model.num_experts > 0), got router.type={cfg.router.type!r}")
 
 
 def config_keys(names: list[str], what: str) -> list[str]:

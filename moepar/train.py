@@ -40,6 +40,7 @@ from moepar.loss_scale import LossScaler
 from moepar.metrics import MetricsWriter, PendingMetrics, StepStats
 from moepar.process import init_process_group, select_device
 from moepar.progress import Progress, params_text
+from moepar.routing import StepRouting, check_replay_dir, routing_header
 from moepar.rundir import (DivergenceReplay, RunDirError, RunLock, launcher_holds_lock,
                            plan_run_start, record_divergence, write_config)
 from moepar.validation import Validation
@@ -92,6 +93,9 @@ class Trainer:
         self.device = select_device(tcfg.device, cfg.parallel.backend)
         # Data errors surface here, on every rank, before any process group exists.
         self.sampler = build_sampler(cfg)
+        if tcfg.router_replay:
+            check_replay_dir(tcfg.router_replay, routing_header(
+                cfg.model, tcfg.seq_len, tcfg.global_batch_size), range(1, tcfg.steps + 1))
         self.validation = Validation(cfg, self.dims, self.rank) if tcfg.eval_every else None
         init_process_group(cfg.parallel, self.device, world_size)
         if shared_run_dir:   # every rank writes checkpoints there (a no-op alone)
@@ -130,6 +134,10 @@ class Trainer:
         elif cfg.run.init_from:
             load_checkpoint(cfg.run.init_from, self.engine, restore_rng=False)
             self.log(f"initialised weights from {cfg.run.init_from}")
+        self.routing = None
+        if tcfg.record_routing or tcfg.router_replay:
+            self.routing = StepRouting(cfg, self.engine.model, self.first_micro *
+                                       tcfg.micro_batch_size, self.step, self.rank == 0)
         if self.dims.gpus_per_node:
             self.log(f"nodes: {self.dims.describe_nodes()}")
         self.log(f"layout: {self.dims.describe()}; zero {cfg.parallel.zero}; "
@@ -203,8 +211,12 @@ class Trainer:
         (under pp: zero except on the last stage; the step-end reduction sums over pp)."""
         base = self.sampler.position + self.first_micro
         batches = [self.sampler.batch(base + i) for i in range(self.num_local_micro)]
+        if self.routing is not None:         # routing record or replay (moepar/routing.py)
+            self.routing.begin(self.step + 1, [b[0] for b in batches])
         loss_sum = self.engine.forward_backward([b[0] for b in batches], [b[1] for b in batches],
                                                 stats)
+        if self.routing is not None:
+            self.routing.end(self.step + 1)
         self.sampler.position += self.num_micro
         return loss_sum
 
