@@ -151,6 +151,15 @@ class RoutingStats:
     tokens_per_expert_E: torch.Tensor  # routed copies per expert before drops (float, detached)
     num_dropped: torch.Tensor          # dropped assignments (top-k) or unchosen tokens (expert choice)
     num_assignments: int               # T*K (top-k) or T (expert choice): drop fraction's denominator
+    # Sum over the T tokens of the entropy (nats) of each token's distribution over experts.
+    entropy_sum: torch.Tensor | None = None
+    num_tokens: int = 0
+
+
+def entropy_sum(probs_TE) -> torch.Tensor:
+    """Sum over tokens of -sum_e p log p (detached; 0 log 0 = 0): the router-entropy view."""
+    with torch.no_grad():
+        return -torch.special.xlogy(probs_TE, probs_TE).sum()
 
 
 class RouterOutput(NamedTuple):
@@ -311,7 +320,7 @@ class TopKRouter(RouterBase):
         total = sum(terms[1:], terms[0]) if terms else balance.detach() * 0.0
         losses = RouterLosses(total, balance.detach(), seq_balance.detach(), z.detach(), parts)
         stats = RoutingStats(counts_E.to(torch.float32), (expert_N == self.num_experts).sum(),
-                             expert_N.numel())
+                             expert_N.numel(), entropy_sum(probs_TE), probs_TE.shape[0])
         return losses, stats
 
     def _loss_values(self, probs_TE, experts_TK, logits_TE, counts_E, seq_len: int):
@@ -384,7 +393,7 @@ class ExpertChoiceRouter(RouterBase):
         chosen_T = torch.zeros(num_tokens, dtype=torch.bool, device=x_TD.device).index_fill_(
             0, token_EC.flatten(), True)
         stats = RoutingStats(torch.full((self.num_experts,), float(cap), device=x_TD.device),
-                             (~chosen_T).sum(), num_tokens)
+                             (~chosen_T).sum(), num_tokens, entropy_sum(scores_TE), num_tokens)
         return RouterOutput(routing, losses, stats)
 
 

@@ -271,6 +271,8 @@ class RunDirConfig:
     async_checkpoint: bool = False  # copy to host memory, write in the background while training
     tensorboard: bool = True
     tb_image_every: int = 10      # steps between TensorBoard load heatmaps (and step 1); 0: none
+    collapse_dead_steps: int = 100  # alarm when an expert gets no token this many steps in a row; 0: off
+    collapse_min_entropy: float = 0.05  # alarm when a layer's router entropy / log E is below; 0: off
 
     def __post_init__(self):
         if not self.dir:
@@ -286,9 +288,13 @@ class RunDirConfig:
                 raise ValueError(f"run.resume={self.resume!r} must be true, false or \"auto\" "
                                  "(resume when a complete checkpoint exists, else start fresh)")
             self.resume = "auto"
-        for name in ("log_every", "checkpoint_every", "keep_checkpoints", "tb_image_every"):
+        for name in ("log_every", "checkpoint_every", "keep_checkpoints", "tb_image_every",
+                     "collapse_dead_steps"):
             if getattr(self, name) < 0:
                 raise ValueError(f"run.{name}={getattr(self, name)} must be >= 0")
+        if not 0 <= self.collapse_min_entropy <= 1:
+            raise ValueError(f"run.collapse_min_entropy={self.collapse_min_entropy} must be in "
+                             "[0, 1] (router entropy over log(num_experts); 0 turns it off)")
         for name in ("resume_from", "init_from"):
             path = getattr(self, name)
             if path and not os.path.isdir(path):

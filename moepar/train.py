@@ -400,7 +400,9 @@ class Trainer:
                                  "(the resolved config is in each checkpoint's state.json)")
                     writer = MetricsWriter(cfg.run.dir, cfg.run.tensorboard,
                                            resume_step=self.step, ep=self.dims.ep,
-                                           model=cfg.model, image_every=cfg.run.tb_image_every)
+                                           model=cfg.model, image_every=cfg.run.tb_image_every,
+                                           dead_steps=cfg.run.collapse_dead_steps,
+                                           min_entropy=cfg.run.collapse_min_entropy)
                 progress = Progress(cfg.train.steps, cfg.train.global_batch_size *
                                     cfg.train.seq_len, self.step, time.perf_counter())
                 while self.step < cfg.train.steps:
