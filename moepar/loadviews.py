@@ -26,7 +26,7 @@ import math
 
 import numpy as np
 
-__all__ = ["bar_histogram", "layer_views", "rank_rows_LP", "CollapseWatch", "write_views_tb", "VIEWS"]
+__all__ = ["bar_histogram", "layer_views", "straggler_L", "rank_rows_LP", "CollapseWatch", "write_views_tb", "VIEWS"]
 
 VIEWS = ("p50", "p90", "p99", "max_over_mean", "dead", "load_entropy", "router_entropy",
          "rank_rows")
@@ -40,6 +40,11 @@ def rank_rows_LP(tokens_LE: np.ndarray, ep: int) -> np.ndarray:
 def _over_mean(values: np.ndarray) -> np.ndarray:
     mean = values.mean(-1, keepdims=True)
     return np.where(mean > 0, values / np.where(mean > 0, mean, 1.0), 0.0)
+
+
+def straggler_L(expert_ms_LP) -> np.ndarray:
+    """Per layer, the slowest EP rank's expert time over the mean (1: no straggler)."""
+    return _over_mean(np.asarray(expert_ms_LP, dtype=np.float64)).max(-1)
 
 
 def layer_views(tokens_LE: np.ndarray, ep: int = 1, entropy_L=None) -> dict:
@@ -109,7 +114,7 @@ def write_views_tb(tb, layers: list[int], tokens_LE: np.ndarray, ep: int, step: 
     and per layer the histograms of expert shares and of each EP rank's rows (and time)."""
     views = layer_views(tokens_LE, ep, entropy_L)
     if expert_ms_LP is not None:
-        views["straggler"] = _over_mean(np.asarray(expert_ms_LP)).max(-1)
+        views["straggler"] = straggler_L(expert_ms_LP)
     rows_LP = rank_rows_LP(tokens_LE, ep)
     for row, layer in enumerate(layers):
         for name, values in views.items():

@@ -19,7 +19,8 @@ step on resume:
 |--------------------|------------|--------------------------------------------------------------|
 | metrics.jsonl      | -          | step, loss, aux losses, drop fraction, imbalance, lr, ...    |
 |                    |            | (+ val_loss, val_ppl at validation steps: TensorBoard val/)  |
-| expert_load.jsonl  | a header   | step, tokens [L][E], dropped [L], assigned [L], bias [L][E]  |
+| expert_load.jsonl  | a header   | step, tokens [L][E], dropped [L], assigned [L], bias [L][E], |
+|                    |            | entropy [L]; at log steps expert_ms [L][ep] (experttime.py)  |
 
 The expert-load header names the format, the model's MoE layer numbers and the expert count;
 `moepar inspect` reads it (moepar/inspect/runload.py). `bias` is there when the routers learn an
@@ -248,6 +249,8 @@ def load_record(step: int, load: dict) -> dict:
     """One expert_load.jsonl line: this step's loads (routed copies before drops) per layer."""
     record = {"step": step, "tokens": [_numbers(row) for row in load["tokens_LE"]],
               "dropped": _numbers(load["dropped_L"]), "assigned": _numbers(load["assigned_L"])}
+    if load.get("expert_ms_LP") is not None:     # a log step: the window's expert time
+        record["expert_ms"] = [[round(float(v), 4) for v in row] for row in load["expert_ms_LP"]]
     if all(map(math.isfinite, load["entropy_L"])):
         record["entropy"] = [round(v, 5) for v in load["entropy_L"]]
     if load["bias_LE"] is not None:

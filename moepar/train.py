@@ -35,7 +35,9 @@ from moepar.checkpoint import PendingSave, latest_checkpoint, load_checkpoint
 from moepar.cluster import check_shared_filesystem
 from moepar.config import RunConfig, to_dict
 from moepar.data.sources import build_sampler
+from moepar.experttime import ExpertTimer
 from moepar.layers.shapes import param_count
+from moepar.loadviews import straggler_L
 from moepar.loss_scale import LossScaler
 from moepar.metrics import MetricsWriter, PendingMetrics, StepStats
 from moepar.process import init_process_group, select_device
@@ -134,6 +136,9 @@ class Trainer:
         elif cfg.run.init_from:
             load_checkpoint(cfg.run.init_from, self.engine, restore_rng=False)
             self.log(f"initialised weights from {cfg.run.init_from}")
+        self.expert_timer = (ExpertTimer(self.engine.model, self.layout,
+                                         len(self.engine.moe_layer_ids))
+                             if self.engine.moe_layer_ids else None)   # the straggler view
         self.routing = None
         if tcfg.record_routing or tcfg.router_replay:
             self.routing = StepRouting(cfg, self.engine.model, self.first_micro *
@@ -289,6 +294,8 @@ class Trainer:
         record = {"step": self.step, "loss": loss, "grad_norm": grad_norm, "lr": lr,
                   "tokens_per_s": tokens / elapsed, "skipped": skipped}
         self.last_stats = stats
+        if self.expert_timer is not None:
+            self.expert_timer.step()
         return record
 
     def _check_params_due(self) -> bool:
@@ -420,7 +427,7 @@ class Trainer:
                     log_due = self.step % (cfg.run.log_every or 1) == 0 or self.step == 1 or \
                         self.step == cfg.train.steps
                     if log_due or (every and self.step % every == 0) or self.stop_agreed:
-                        self._write_metrics(pending, writer)   # before any save: on disk too
+                        self._write_metrics(pending, writer, timed=True)   # before any save
                     if cfg.run.log_every and log_due:
                         self.log(progress.line(record, time.perf_counter()))
                     self.poll_save()
@@ -458,11 +465,17 @@ class Trainer:
         return records
 
 
-    @staticmethod
-    def _write_metrics(pending: PendingMetrics, writer: MetricsWriter | None):
+    def _write_metrics(self, pending: PendingMetrics, writer: MetricsWriter | None,
+                       timed: bool = False):
         """The pending steps' statistics read (one host sync, every rank: the records returned
-        are complete everywhere) and written (rank 0)."""
+        are complete everywhere) and written (rank 0). `timed`: the window's measured expert
+        time joins its last step (a collective: every rank at the same steps, never on the
+        way out of an error)."""
         steps = pending.flush()
+        if timed and self.expert_timer is not None and steps and steps[-1][1] is not None:
+            record, load = steps[-1]
+            load["expert_ms_LP"] = ms_LP = self.expert_timer.read()
+            record["expert_straggler"] = float(straggler_L(ms_LP).max())
         if writer is not None:
             writer.write_many(steps)
 

@@ -1,7 +1,9 @@
 """Routing replay across layouts: choices recorded on one process replay at dp2 ep2, and those
 recorded at dp2 ep2 replay on one process, equal in float64 to the recorded run although every
-replaying router has a moved bias (alone it would send every token to expert 0)."""
+replaying router has a moved bias (alone it would send every token to expert 0). The dp2 ep2
+run also shows each EP rank's measured expert time in its own column."""
 
+import json
 import math
 
 import torch
@@ -41,6 +43,10 @@ def test_replay_between_one_process_and_dp2_ep2(worlds, tmp_path):
         "seq_000000-000004.safetensors", "seq_000004-000008.safetensors"]   # one file per rank
     replayed = case_train(str(tmp_path / "one_rep"), [f"--train.router_replay={two}"], HOT)
     check(recorded, replayed)
+    # The straggler view: each EP rank timed its own experts, in its own column (layer x rank).
+    lines = (tmp_path / "ep2_rec" / "expert_load.jsonl").read_text().splitlines()[1:]
+    timed = [json.loads(line)["expert_ms"] for line in lines if "expert_ms" in line]
+    assert timed and all(len(ms_P) == 2 and min(ms_P) > 0 for ms_L in timed for ms_P in ms_L)
 
 
 def check(per_rank, want):
