@@ -92,7 +92,7 @@ def collapse_text(layers, dead_for_LE, entropy_L, dead_steps: int, min_entropy: 
                 says.append(f"{dead.size} expert{'s' * (dead.size > 1)} dead >= {dead_steps} "
                             f"steps ({shown})")
         if min_entropy and entropy_L is not None and entropy_L[row] < min_entropy:
-            says.append(f"router entropy {entropy_L[row]:.2f} < {min_entropy:.2f}")
+            says.append(f"router entropy {entropy_L[row]:.3f} < {min_entropy:.3f}")
         if says:
             parts.append(f"layer {layer}: " + ", ".join(says))
     return "; ".join(parts)

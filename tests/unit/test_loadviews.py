@@ -2,15 +2,19 @@
 same TensorBoard scalar tags at ep 1 and ep 4; the collapse alarm in the record and the
 progress line."""
 
+import json
 import math
 
 import numpy as np
 import pytest
 import torch
 
+from moepar.inspect import main as inspect_main
+from moepar.inspect.report import summarize
+from moepar.inspect.runload import read_run
 from moepar.layers import ModelConfig
 from moepar.loadviews import CollapseWatch, layer_views
-from moepar.metrics import MetricsWriter, StepStats
+from moepar.metrics import LOAD_FILE, LOAD_FORMAT, MetricsWriter, StepStats
 from moepar.progress import progress_line
 
 MODEL = ModelConfig(num_layers=2, num_experts=8, top_k=2, dim=32, num_heads=4, num_kv_heads=2,
@@ -78,7 +82,7 @@ def test_collapse_alarm(tmp_path):
     texts = [watch.update(t, [0.5, 0.5]) for t in (dead, dead, live, dead, dead, dead)]
     assert texts[:5] == [""] * 5                          # a live step restarts the count
     assert texts[5] == "layer 1: 1 expert dead >= 3 steps (e1)"
-    assert watch.update(live, [0.5, 0.05]) == "layer 3: router entropy 0.05 < 0.10"
+    assert watch.update(live, [0.5, 0.05]) == "layer 3: router entropy 0.050 < 0.100"
     # In the step's record (metrics.jsonl) and at the end of the progress line.
     writer = MetricsWriter(str(tmp_path), False, model=MODEL, dead_steps=1)
     record = {"step": 1, "loss": 1.0}
@@ -89,3 +93,25 @@ def test_collapse_alarm(tmp_path):
     assert record["collapse"] == "layer 1: 1 expert dead >= 1 steps (e5)"
     line = progress_line({**record, "grad_norm": 1.0, "lr": 1e-3}, 10, 1000.0, 1.0, 9.0)
     assert line.endswith(f"| COLLAPSE {record['collapse']}")
+
+
+def test_inspect_shows_views_and_collapse(tmp_path, capsys):
+    """A hand-written expert_load.jsonl: expert 3 of layer 5 dead in the last 3 of 4 steps."""
+    lines = [{"format": LOAD_FORMAT, "version": 1, "layers": [5], "num_experts": 4}]
+    for step, tokens in enumerate([[4, 4, 4, 4], [6, 6, 4, 0], [8, 4, 4, 0], [8, 4, 4, 0]], 1):
+        lines.append({"step": step, "tokens": [tokens], "dropped": [0], "assigned": [16],
+                      "entropy": [0.5 if step < 4 else 0.04]})
+    lines[-1]["expert_ms"] = [[2.0, 6.0]]          # EP rank 1 three times slower than rank 0
+    (tmp_path / LOAD_FILE).write_text("".join(json.dumps(r) + "\n" for r in lines))
+    run = read_run(str(tmp_path))
+    report = summarize(run, last=2, dead_steps=3, min_entropy=0.05)
+    assert report["collapse"] == ("layer 5: 1 expert dead >= 3 steps (e3), router entropy "
+                                  "0.040 < 0.050")
+    assert summarize(run, last=2, dead_steps=4)["collapse"] == ""     # dead 3 steps, not 4
+    views = report["layers"][0]["views"]
+    assert views["max_over_mean"] == pytest.approx(2.0)     # window loads 16 8 8 0, mean 8
+    assert views["dead"] == 1 and views["rank_rows"] == pytest.approx(1.5)   # rows 24 and 8
+    assert views["router_entropy"] == pytest.approx((0.5 + 0.04) / 2)
+    assert views["straggler"] == pytest.approx(1.5)          # 6 over the mean 4
+    assert inspect_main([str(tmp_path), "--dead-steps", "3"]) == 0
+    assert "COLLAPSE layer 5: 1 expert dead >= 3 steps (e3)" in capsys.readouterr().out
