@@ -16,7 +16,7 @@ recorded tensors stay on the device until the step's end.
 
 import torch
 
-__all__ = ["RoutingTape", "LayerTape", "attach_tape"]
+__all__ = ["RoutingTape", "LayerTape", "attach_tape", "final_choices"]
 
 
 class RoutingTape:
@@ -61,9 +61,13 @@ class LayerTape:
         a copy of e that capacity dropped (so a replay drops it and still counts it)."""
         tape = self.tape
         if tape.active and tape.micro >= 0:
-            expert_N, choice_N = routing.expert_N.detach(), routing.choice_N.detach()
-            tape.recorded[tape.micro][self.layer_id] = torch.where(
-                expert_N == choice_N, expert_N, expert_N + choice_N).view(-1, top_k)
+            tape.recorded[tape.micro][self.layer_id] = final_choices(routing, top_k)
+
+
+def final_choices(routing, top_k: int) -> torch.Tensor:
+    """[T, K] of a top-k `Routing`: e for a copy expert e kept, E + e for one capacity dropped."""
+    expert_N, choice_N = routing.expert_N.detach(), routing.choice_N.detach()
+    return torch.where(expert_N == choice_N, expert_N, expert_N + choice_N).view(-1, top_k)
 
 
 def attach_tape(model, tape: RoutingTape | None):

@@ -34,12 +34,12 @@ import numpy as np
 import torch
 
 from moepar.jsonfile import parse_json
-from moepar.layers.replay import RoutingTape, attach_tape
+from moepar.layers.replay import RoutingTape, attach_tape, final_choices
 from moepar.metrics import moe_layer_numbers
 from moepar.tensorfile import read_box, read_header, write_tensors
 
 __all__ = ["ROUTING_FORMAT", "RoutingError", "routing_header", "check_replay_dir",
-           "write_step", "read_step", "from_routed_experts", "StepRouting"]
+           "write_step", "read_step", "from_routed_experts", "StepRouting", "RolloutRecorder"]
 
 ROUTING_FORMAT = "moepar.routing"
 ROUTING_VERSION = 1
@@ -220,3 +220,35 @@ class StepRouting:
         per_layer = flat.view(len(self.layers), -1, seq_len, self.top_k)
         write_step(self.record, step, self.first, torch.cat(self.inputs).cpu(),
                    dict(zip(self.layers, per_layer, strict=True)), self.num_experts)
+
+
+class RolloutRecorder:
+    """`moepar generate --record-routing DIR`: forward hooks on each MoE layer's router keep the
+    choices of every decoding call (prefill, then one token at a time) in position order; `write`
+    saves them as step 1 of DIR for the sequence's positions 0 .. S-2 (the last sampled token is
+    never fed), with input_ids = the sequence without its last token, as a training step would
+    see it."""
+
+    def __init__(self, model, batch_size: int):
+        self.cfg, self.batch_size = model.cfg, batch_size
+        self.calls = {block.layer_id: [] for block in model.layers if block.is_moe}
+        for block in model.layers:
+            if block.is_moe:
+                block.ffn.router.register_forward_hook(self._keep(block.layer_id,
+                                                                  block.ffn.top_k))
+
+    def _keep(self, layer: int, top_k: int):
+        def hook(_module, _args, out):
+            e_TK = final_choices(out.routing, top_k)
+            self.calls[layer].append(e_TK.view(self.batch_size, -1, top_k))
+        return hook
+
+    def write(self, root: str, output_ids_BS: torch.Tensor):
+        if os.path.isdir(root) and any(n.startswith("step_") for n in os.listdir(root)):
+            raise RoutingError(f"--record-routing {root!r} already holds recorded steps; choose "
+                               "a new directory")
+        experts = {layer: torch.cat(calls, dim=1).cpu() for layer, calls in self.calls.items()}
+        seq_len = output_ids_BS.shape[1] - 1
+        write_header(root, routing_header(self.cfg, seq_len, self.batch_size))
+        write_step(root, 1, 0, output_ids_BS[:, :seq_len].cpu().long(),
+                   {k: v[:, :seq_len] for k, v in experts.items()}, self.cfg.num_experts)

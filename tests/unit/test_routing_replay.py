@@ -11,6 +11,8 @@ import pytest
 import torch
 
 from configs import tiny_config
+from moepar.infer import load
+from moepar.infer.generate import main as generate_main
 from moepar.layers import MoE
 from moepar.layers.replay import RoutingTape, attach_tape
 from moepar.routing import RoutingError, from_routed_experts, read_step
@@ -110,3 +112,30 @@ def test_routed_experts_of_vllm_and_sglang():
         assert all(torch.equal(got[k], want[k]) for k in want)
     with pytest.raises(RoutingError, match="MoE layer 0"):
         from_routed_experts(ids, top_k=2, moe_layers=[0, 1], num_layers=3)
+
+
+def test_generate_records_rollout_routing(tmp_path, recorded, capsys):
+    """`moepar generate --record-routing`: the decode's choices, position by position, equal the
+    router's own top-k on a teacher-forced forward of the same sequence (float64, dropless)."""
+    run_dir = os.path.join(os.path.dirname(recorded[0]), "run")
+    rollout = str(tmp_path / "rollout")
+    assert generate_main([run_dir, "--prompt", "the", "--max-new-tokens", "4", "--temperature",
+                          "0", "--ignore-eos", "--dtype", "float64", "--record-routing",
+                          rollout]) == 0
+    model = load(run_dir, dtype=torch.float64).model     # dropless, as generate builds it
+    ids, experts = read_step(rollout, 1, 0, 1, [0, 1])
+    assert ids.shape == (1, 3 + 4 - 1)                   # 3 prompt bytes, 4 new, the last unfed
+    routed = {}
+    hooks = [m.router.register_forward_hook(
+        lambda _m, _a, out, i=i: routed.__setitem__(i, out.routing.expert_N.view(-1, 2)))
+        for i, m in enumerate(model.moe_layers())]
+    with torch.no_grad():
+        model(ids)
+    for h in hooks:
+        h.remove()
+    for layer in (0, 1):
+        assert torch.equal(experts[layer][0].sort(-1).values, routed[layer].sort(-1).values)
+    capsys.readouterr()
+    assert generate_main([run_dir, "--prompt", "the", "--max-new-tokens", "2",
+                          "--record-routing", rollout]) == 1
+    assert "already holds recorded steps" in capsys.readouterr().err
