@@ -9,14 +9,16 @@ the rows it received, every micro-batch, recompute included), by forward hooks s
 - on CPU, `time.perf_counter` around it: CPU kernels finish before forward returns, so the host
   clock is the kernels' time and costs nothing extra. With parallel.a2a_chunks > 1 it includes
   waiting for the chunks' all-to-all arrivals (the experts start on a chunk as it lands).
-Backward is not timed. `read` is a collective (one all-reduce of L*P numbers over the world),
-called by every rank at the same log steps: the mean forward time per step of EP rank r's
-experts in each layer, averaged over the ranks that hold the same experts (edp replicas).
+Backward is not timed. The times of a log window become host numbers after the metrics flush
+that ends it (`harvest`; its device-to-host read has waited for the events already), and reach
+the files at the next flush (`reduced`: one all-reduce of L*P numbers over the world, read in
+that flush's one copy): the views lag one log window and add no host sync. The number is the
+mean forward time per step of EP rank r's experts in each layer, averaged over the ranks that
+hold the same experts (edp replicas).
 """
 
 import time
 
-import numpy as np
 import torch
 
 __all__ = ["ExpertTimer"]
@@ -56,20 +58,29 @@ class ExpertTimer:
     def step(self):
         self.steps += 1
 
-    def read(self) -> np.ndarray:
-        """[L, P] milliseconds per step of each EP rank's experts over the window since the last
-        read (a collective: every rank calls it); starts the next window."""
+    def harvest(self):
+        """Right after a host sync (the metrics flush): the window's times become host numbers
+        (CUDA events already passed need no wait) and the next window starts."""
         ms_L = list(self.ms_L)
-        if self.events:
-            self.events[-1][2].synchronize()        # once per window, not per step
-            for row, start, end in self.events:
-                ms_L[row] += start.elapsed_time(end)
-        dims, coords = self.layout.dims, self.layout.coords
+        for row, start, end in self.events:
+            ms_L[row] += start.elapsed_time(end)
+        self.ready = (ms_L, self.steps) if self.steps else None
+        self.ms_L, self.events, self.steps = [0.0] * self.num_layers, [], 0
+
+    ready = None
+
+    def reduced(self):
+        """[L, P] milliseconds per step of each EP rank's experts in the last harvested window,
+        on the device, averaged over the ranks holding the same experts; None before the first.
+        A collective (one all-reduce over the world: every rank at the same steps); no host
+        read, no host-to-device copy (scalar fills)."""
+        if self.ready is None:        # the same on every rank: they harvest at the same steps
+            return None
+        ms_L, steps = self.ready
+        dims = self.layout.dims
         ms_LP = torch.zeros(self.num_layers, dims.ep, dtype=torch.float64,
                             device=self.layout.device)
-        ms_LP[:, coords.ep] = torch.tensor(ms_L, dtype=torch.float64)
+        for row, ms in enumerate(ms_L):
+            ms_LP[row, self.layout.coords.ep].fill_(ms / steps)   # a scalar: no copy
         self.layout.all_reduce(ms_LP, "sum")
-        holders = self.layout.world // (dims.pp * dims.ep) if self.layout.world > 1 else 1
-        out = ms_LP.cpu().numpy() / max(holders, 1) / max(self.steps, 1)
-        self.ms_L, self.events, self.steps = [0.0] * self.num_layers, [], 0
-        return out
+        return ms_LP / max(self.layout.world // (dims.pp * dims.ep), 1)

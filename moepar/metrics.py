@@ -222,6 +222,13 @@ class PendingMetrics:
 
     def __init__(self):
         self.items = []
+        self.expert_ms_LP = None
+
+    def attach_expert_ms(self, ms_LP: torch.Tensor):
+        """A log window's measured expert time [L, P] (moepar/experttime.py), on the device: read
+        in the flush's one copy and given to the last pending step's loads as expert_ms_LP."""
+        if self.items:
+            self.expert_ms_LP = ms_LP
 
     def add(self, record: dict, stats: StepStats, expert_bias_LE=None):
         shape = tuple(stats.tokens_LE.shape)
@@ -232,7 +239,9 @@ class PendingMetrics:
         if not self.items:
             return []
         items, self.items = self.items, []
-        values = torch.cat([packed for _, packed, _, _ in items]).tolist()   # the one sync
+        ms_LP, self.expert_ms_LP = self.expert_ms_LP, None
+        extra = [] if ms_LP is None else [ms_LP.reshape(-1).to(torch.float64)]
+        values = torch.cat([packed for _, packed, _, _ in items] + extra).tolist()   # the one sync
         out, at = [], 0
         for record, packed, (L, E), has_bias in items:
             summary, load = _unpack(values[at:at + packed.numel()], L, E, has_bias)
@@ -242,6 +251,10 @@ class PendingMetrics:
             record.clear()
             record.update({**head, **summary, **rest})
             out.append((record, load))
+        if ms_LP is not None and out[-1][1] is not None:
+            width = ms_LP.shape[1]
+            out[-1][1]["expert_ms_LP"] = [values[at + i:at + i + width]
+                                          for i in range(0, ms_LP.numel(), width)]
         return out
 
 

@@ -468,14 +468,19 @@ class Trainer:
     def _write_metrics(self, pending: PendingMetrics, writer: MetricsWriter | None,
                        timed: bool = False):
         """The pending steps' statistics read (one host sync, every rank: the records returned
-        are complete everywhere) and written (rank 0). `timed`: the window's measured expert
-        time joins its last step (a collective: every rank at the same steps, never on the
-        way out of an error)."""
+        are complete everywhere) and written (rank 0). `timed`: the previous log window's
+        measured expert time joins the last step (a collective: every rank at the same steps,
+        never on the way out of an error; moepar/experttime.py)."""
+        timer = self.expert_timer if timed else None
+        ms_LP = None if timer is None else timer.reduced()    # the last window's, a collective
+        if ms_LP is not None:
+            pending.attach_expert_ms(ms_LP)
         steps = pending.flush()
-        if timed and self.expert_timer is not None and steps and steps[-1][1] is not None:
-            record, load = steps[-1]
-            load["expert_ms_LP"] = ms_LP = self.expert_timer.read()
-            record["expert_straggler"] = float(straggler_L(ms_LP).max())
+        if timer is not None:
+            timer.harvest()              # after the flush's sync: this window's events are done
+        if steps and steps[-1][1] is not None and "expert_ms_LP" in steps[-1][1]:
+            straggler = straggler_L(steps[-1][1]["expert_ms_LP"]).max()
+            steps[-1][0]["expert_straggler"] = float(straggler)
         if writer is not None:
             writer.write_many(steps)
 

@@ -176,8 +176,7 @@ def test_resumed_run_rewrites_the_same_loads(tmp_path):
     Trainer(tiny_config(tmp_path / "cut", *flags, "--run.resume=true"), log=quiet).run()
     header, resumed = run_loads(tmp_path / "cut")
     assert header["layers"] == [0, 1]
-    # expert_ms is a measured time (loadviews.py): present at the same steps, not equal.
-    assert [("expert_ms" in r) for r in resumed] == [("expert_ms" in r) for r in whole]
+    # expert_ms is a measured time (experttime.py), and a resumed run's first window has none.
     untimed = [[{k: v for k, v in r.items() if k != "expert_ms"} for r in rs]
                for rs in (resumed, whole)]
     assert untimed[0] == untimed[1]
