@@ -7,6 +7,7 @@ Hd head dim.
 from torch import nn
 
 from .cache import LayerCache, causal_attention
+from .logits import track_max_logits
 from .rope import RMSNorm, apply_rotary
 
 __all__ = ["Attention"]
@@ -34,6 +35,7 @@ class Attention(nn.Module):
             nn.init.zeros_(self.qkv_proj.bias)
         nn.init.normal_(self.o_proj.weight, std=out_init_std)
         self.qk_norm = cfg.qk_norm
+        self.max_logit_H = None      # MuonClip's statistic, a tensor under train.qk_clip (logits.py)
         if cfg.qk_norm != "none":
             # "head": one weight of head_dim shared by all heads; "full": over all heads' features.
             q_dim, k_dim = (hd, hd) if cfg.qk_norm == "head" else (cfg.num_heads * hd, cfg.num_kv_heads * hd)
@@ -62,5 +64,7 @@ class Attention(nn.Module):
         if cache is not None:   # attend over the cached positions too: k, v [B, G, L, Hd]
             start = cache.length
             k_BGSd, v_BGSd = cache.extend(2, k_BGSd, v_BGSd)
+        if start == 0:
+            track_max_logits(self, q_BHSd, k_BGSd)
         o_BHSd = causal_attention(q_BHSd, k_BGSd, v_BGSd, start)
         return self.o_proj(o_BHSd.transpose(1, 2).reshape(batch, seq, -1))

@@ -23,6 +23,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from .cache import LayerCache, causal_mask_TL
+from .logits import track_max_logits
 from .rope import RMSNorm, apply_rotary
 
 __all__ = ["MLA"]
@@ -52,6 +53,7 @@ class MLA(nn.Module):
         self.q_lora = bool(cfg.q_lora_rank)
         yarn = cfg.yarn   # None: SDPA's own (N + R)^-0.5
         self.softmax_scale = qk_dim ** -0.5 * yarn.softmax_scale_factor if yarn else None
+        self.max_logit_H = None      # MuonClip's statistic, a tensor under train.qk_clip (logits.py)
 
     def forward(self, x_BSD, cos_SR, sin_SR, cache: LayerCache | None = None):
         """`cache` (decoding): x_BSD holds the S positions after the cached ones, cos/sin are
@@ -75,6 +77,7 @@ class MLA(nn.Module):
         k_nope, v_BHSV = kv_BHSx.split([self.nope, self.v_dim], dim=-1)
         q_BHSq = torch.cat([q_nope, q_rot], dim=-1)
         k_BHSq = torch.cat([k_nope, k_rot_B1SR.expand(-1, self.num_heads, -1, -1)], dim=-1)
+        track_max_logits(self, q_BHSq, k_BHSq, self.softmax_scale)
         o_BHSV = F.scaled_dot_product_attention(q_BHSq, k_BHSq, v_BHSV, is_causal=True,
                                                scale=self.softmax_scale)
         return self.o_proj(o_BHSV.transpose(1, 2).reshape(batch, seq, -1))

@@ -21,6 +21,7 @@ from moepar.layers.router import RouterConfig, check_number
 from moepar.parallel.checkpointing import RECOMPUTE
 from moepar.parallel.compile import COMPILE_BACKENDS
 from moepar.parallel.expert import DISPATCHERS
+from moepar.parallel.hierarchical import node_layout
 from moepar.parallel.pipeline import split_layers
 from moepar.parallel.schedules import SCHEDULES
 from moepar.parallel.tensor import check_tp
@@ -56,7 +57,7 @@ class ParallelConfig:
     pp: int = 1
     ep: int = 1
     zero: int = 0                # 0 DDP; ZeRO 1 (optimizer state), 2 (+ gradients), 3 (+ parameters)
-    dispatcher: str = "alltoall"  # under ep > 1: alltoall, dedup (a token once per EP rank), allgather
+    dispatcher: str = "alltoall"  # ep > 1: alltoall, dedup (once per EP rank), allgather, hierarchical (once per node)
     debug_splits: bool = False   # check all-to-all split sizes across ranks (raises, never hangs)
     a2a_chunks: int = 1          # alltoall: expert chunks pipelined between async all-to-alls
     backend: str = "auto"        # process group backend: auto (nccl on CUDA, else gloo), gloo, nccl
@@ -125,6 +126,11 @@ class TrainConfig:
     grad_clip: float = 1.0         # max global grad norm; 0 disables clipping
     dtype: str = "float32"         # float32, bfloat16 or float16 (float32 masters), float64 (exact tests)
     optim_state_dtype: str = "float32"  # AdamW moments: float32, or bfloat16 (half the state; maths stays float32)
+    optimizer: str = "adamw"       # adamw, or muon (matrices; AdamW for embedding, head, 1-D: docs/optimizers.md)
+    muon_momentum: float = 0.95    # muon: momentum of the buffer Newton-Schulz orthogonalizes
+    muon_nesterov: bool = True     # muon: orthogonalize the Nesterov blend of gradient and momentum
+    muon_ns_steps: int = 5         # muon: Newton-Schulz iterations (coefficients 3.4445, -4.7750, 2.0315)
+    qk_clip: float = 0.0           # MuonClip's tau (Kimi K2: 100): clip W_q, W_k of heads whose max logit passed it; 0 off
     fp32_residual: bool = False    # bfloat16/float16: keep the residual stream float32 (autocast at matmuls)
     loss_scale: float = 0.0        # float16: initial dynamic scale (0: 2^16); else > 0: fixed scale
     activation_checkpointing: bool = False  # the older spelling of recompute = "full"
@@ -154,6 +160,16 @@ class TrainConfig:
         if self.optim_state_dtype not in OPTIM_STATE_DTYPES:
             raise ValueError(f"train.optim_state_dtype={self.optim_state_dtype!r} is not one of "
                              f"{OPTIM_STATE_DTYPES} (the dtype AdamW stores its moments in)")
+        if self.optimizer not in ("adamw", "muon"):
+            raise ValueError(f"train.optimizer={self.optimizer!r} is not one of 'adamw', 'muon'")
+        if self.optimizer == "muon" and self.optim_state_dtype != "float32":
+            raise ValueError(f"train.optim_state_dtype={self.optim_state_dtype!r} is for AdamW "
+                             "alone; train.optimizer='muon' keeps its state float32")
+        if not 0 <= self.muon_momentum < 1:
+            raise ValueError(f"train.muon_momentum={self.muon_momentum} must be in [0, 1)")
+        check_number("train.qk_clip", self.qk_clip)
+        if not 1 <= self.muon_ns_steps <= 20:
+            raise ValueError(f"train.muon_ns_steps={self.muon_ns_steps} must be in [1, 20]")
         if self.device not in ("auto", "cpu", "cuda"):
             raise ValueError(f"train.device={self.device!r} is not one of 'auto', 'cpu', 'cuda'")
         if self.recompute not in RECOMPUTE:
@@ -330,8 +346,14 @@ class RunConfig:
                                  "supported (each expert would need every slice's scores); use "
                                  "router.type='topk'")
         check_routing_replay(self)
+        if p.dispatcher == "hierarchical" and p.gpus_per_node:   # (0: the launcher's, build_dims)
+            node_layout(p.ep, p.gpus_per_node, self.model.num_experts, self.router.n_group)
         if p.pp == 1 and p.pp_virtual > 1:
             raise ValueError(f"parallel.pp_virtual={p.pp_virtual} needs parallel.pp > 1")
+        if self.train.qk_clip > 0 and self.model.qk_norm != "none":
+            raise ValueError(f"train.qk_clip={self.train.qk_clip} with model.qk_norm="
+                             f"{self.model.qk_norm!r}: the q/k norm undoes the clip's scaling of "
+                             "W_q and W_k; set one of them off")
         if self.train.seq_len > self.model.max_seq_len:
             raise ValueError(f"train.seq_len={self.train.seq_len} exceeds model.max_seq_len="
                              f"{self.model.max_seq_len}")

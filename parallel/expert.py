@@ -23,10 +23,11 @@ from moepar.layers.moe import MoE
 from .allgather import AllGatherDispatcher
 from .alltoall import AllToAllDispatcher
 from .dedup import DedupAllToAllDispatcher
+from .hierarchical import HierarchicalDispatcher, node_layout
 
 __all__ = ["apply_ep", "DISPATCHERS"]
 
-DISPATCHERS = ("alltoall", "dedup", "allgather")
+DISPATCHERS = ("alltoall", "dedup", "allgather", "hierarchical")
 
 
 def shard_experts(experts: GroupedExperts, ep: int, ep_rank: int):
@@ -50,9 +51,9 @@ def _moe_layers(model) -> list[tuple[int, MoE]]:
 def apply_ep(model, dims, meshes, rank: int, dispatcher: str = "alltoall", debug: bool = False,
              a2a_chunks: int = 1):
     """Shards every MoE layer of `model` over ep and installs the dispatcher of kind `dispatcher`
-    (parallel.dispatcher: alltoall, dedup or allgather; named by the model's layer number in its
-    errors); returns model. `a2a_chunks` > 1 pipelines groups of local experts between the
-    all-to-alls (alltoall)."""
+    (parallel.dispatcher: alltoall, dedup, allgather or hierarchical, whose nodes are
+    `dims.gpus_per_node`; named by the model's layer number in its errors); returns model.
+    `a2a_chunks` > 1 pipelines groups of local experts between the all-to-alls (alltoall)."""
     if dispatcher not in DISPATCHERS:
         raise ValueError(f"parallel.dispatcher={dispatcher!r} is not one of {DISPATCHERS}")
     group = meshes.group("ep")
@@ -62,6 +63,10 @@ def apply_ep(model, dims, meshes, rank: int, dispatcher: str = "alltoall", debug
         shard_experts(moe.experts, dims.ep, ep_rank)
         if dispatcher == "allgather":
             moe.dispatcher = AllGatherDispatcher(num_experts, group, ep_rank, layer_id)
+        elif dispatcher == "hierarchical":
+            ranks = node_layout(dims.ep, dims.gpus_per_node, num_experts, moe.router.cfg.n_group)
+            moe.dispatcher = HierarchicalDispatcher(num_experts, group, ep_rank, ranks, layer_id,
+                                                    debug)
         elif dispatcher == "dedup":
             moe.dispatcher = DedupAllToAllDispatcher(num_experts, group, layer_id, debug)
         else:

@@ -54,6 +54,7 @@ class ParallelModel:
     masters: Masters
     precision: Precision
     compiled: object = None           # compile.CompiledRegions (train.compile), or None
+    qk_clip: object = None            # qkclip.QKClip (train.qk_clip), or None
 
     def __post_init__(self):
         self.tp_group = self.layout.group("tp") if self.layout.dims.tp > 1 else None
@@ -151,6 +152,8 @@ class ParallelModel:
         for group in self.optimizer.param_groups:
             group["lr"] = lr
         self.optimizer.step()
+        if self.qk_clip is not None:     # on the masters, before the compute weights follow
+            self.qk_clip.apply()
         self.masters.refresh()
         self.update_expert_bias(stats)
 
