@@ -41,13 +41,16 @@ def recorded(tmp_path_factory):
     return str(root / "routes"), trainer, records
 
 
-def test_replay_equals_recorded_run_with_moved_bias(tmp_path, recorded):
+@pytest.mark.parametrize("recompute", ["none", "full"])
+def test_replay_equals_recorded_run_with_moved_bias(tmp_path, recorded, recompute):
+    """Also under full recompute: backward runs each block's routing again, by the same tape."""
     routes, ref, want = recorded
     # The recorded choices are not what the moved bias selects: some token avoids expert 0.
     _, experts = read_step(routes, 1, 0, 4, [0, 1])
     assert not (experts[0] % 4 == 0).any(-1).all()
     assert (experts[0] >= 4).any(), "capacity 1.0 drops some copy: the test covers drops"
-    trainer, got = train(tmp_path / "run", f"--train.router_replay={routes}", bias=HOT)
+    trainer, got = train(tmp_path / "run", f"--train.router_replay={routes}",
+                         f"--train.recompute={recompute}", bias=HOT)
     assert got == want
     for (name, p), q in zip(trainer.model.state_dict().items(), ref.model.state_dict().values(),
                             strict=True):
@@ -88,6 +91,9 @@ def test_replay_dir_that_does_not_match(tmp_path, recorded):
     routes = recorded[0]
     with pytest.raises(RoutingError, match="model.num_experts=8"):
         Trainer(tiny_config(tmp_path / "a", *COMMON, "--model.num_experts=8",
+                            f"--train.router_replay={routes}"), log=lambda _m: None)
+    with pytest.raises(RoutingError, match=r"layers=\[0, 1\], this run has MoE layer numbers"):
+        Trainer(tiny_config(tmp_path / "e", *COMMON, "--model.num_layers=3",
                             f"--train.router_replay={routes}"), log=lambda _m: None)
     with pytest.raises(RoutingError, match="no routing for step 3"):
         Trainer(tiny_config(tmp_path / "b", *COMMON, "--train.steps=3",
