@@ -18,7 +18,9 @@ files hold them. Pipeline and tensor parallelism (each rank routes part of a seq
 layers) are refused by the config.
 
 `train.record_routing = DIR` writes a file per rank per step (one device-to-host copy at the
-step's end); `train.router_replay = DIR` reads them at each step's start. `moepar generate
+step's end); `train.router_replay = DIR` reads them at each step's start (host file reads, one
+host-to-device copy per layer and micro-batch, before the step's forward). Neither talks to
+other ranks: every rank reads and writes its own sequences. `moepar generate
 --record-routing DIR` writes a rollout as step 1; `from_routed_experts` reads the
 `routed_experts` array vLLM and SGLang return ([tokens, layers, K], int32, -1 where a layer has
 no routed expert).

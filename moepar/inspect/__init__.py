@@ -31,7 +31,9 @@ def build_parser() -> argparse.ArgumentParser:
         description="Summarize a run's expert load per MoE layer (named by the model's layer "
                     "numbers): hottest and coldest experts with their share of routed tokens, "
                     "dead experts (no token in the window), drop rate, busiest-expert/mean and "
-                    "coefficient of variation over time, and the learned expert-bias range.",
+                    "coefficient of variation over time, the learned expert-bias range, the "
+                    "load views (percentiles, entropies, EP-rank rows, straggler) and the "
+                    "collapse alarm.",
         epilog="window: the last N recorded steps; first/last: the mean over the first/last N "
                "steps; trend: least-squares slope per 100 steps.\nPlots (--plots DIR): "
                "heatmap.png (layer x expert load over the window, 1 = uniform share), "
