@@ -264,6 +264,9 @@ class Transformer(nn.Module):
 
     rotary_buffers = staticmethod(model_rotary_tables)
 
+    # The step's routing record/replay (layers/replay.py), when the trainer sets one.
+    routing_tape = None
+
     # Under sequence parallelism hidden states hold 1/seq_split of each sequence (tensor.py).
     seq_split = 1
 
@@ -329,6 +332,8 @@ class Transformer(nn.Module):
             if mtp is not None:
                 mtp.embeds_BSD = x
         end = start + x.shape[1] * self.seq_split      # the rotary tables cover whole sequences
+        if self.routing_tape is not None and torch.is_grad_enabled() and cache is None:
+            self.routing_tape.next_micro()    # a training forward: the next micro-batch
         alone = (balance is None and self.router_cfg.deferred_balance and torch.is_grad_enabled()
                  and self.chunk_slices is None)
         if alone:

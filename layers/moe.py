@@ -115,6 +115,8 @@ class MoE(nn.Module):
         if num_shared_experts > 0:
             hidden = num_shared_experts * (shared_ffn_dim or ffn_dim)
             self.shared = SharedExperts(dim, hidden, activation, shared_gate, init_std, out_init_std)
+        # Routing record/replay (layers/replay.py): set by the trainer when configured.
+        self.routing_tape = None
         # The seam parallelisms swap (expert parallelism installs an all-to-all dispatcher).
         self.dispatcher = LocalDispatcher(num_experts)
         # How the losses' gradient is attached, fixed here (see the module docstring).
@@ -136,8 +138,13 @@ class MoE(nn.Module):
         x_TD = x.reshape(-1, self.dim)
         # Through the modules' own calls, so their hooks (FSDP unshard) run as usual.
         packed = {} if docs is None else {"valid_T": docs.valid_T, "doc_T": docs.doc_T}
-        routing, losses, stats = self.router(x_TD, seq_len=seq_len if x.dim() > 2 else None,
-                                             **packed)
+        seq_len = seq_len if x.dim() > 2 else None
+        tape = self.routing_tape
+        if tape is None:
+            routing, losses, stats = self.router(x_TD, seq_len=seq_len, **packed)
+        else:   # recording or replaying the routing (layers/replay.py; not with packed documents)
+            routing, losses, stats = self.router(x_TD, seq_len=seq_len, replay_TK=tape.replayed())
+            tape.record(routing, self.top_k)
         x_RD, plan = self.dispatcher.dispatch(x_TD, routing)
         weight_N = routing.weight_N
         if self.aux_loss_scale is not None:

@@ -131,6 +131,8 @@ class Routing:
     # True when no assignment can be dropped (dropless top-k, expert choice): then all N are
     # kept, a number the host knows without reading the device (no sync on one rank).
     dropless: bool = False
+    # Top-k routing: each copy's expert before capacity drops (what a routing record keeps).
+    choice_N: torch.Tensor | None = None
 
 
 @dataclass(frozen=True)
@@ -149,6 +151,17 @@ class RoutingStats:
     tokens_per_expert_E: torch.Tensor  # routed copies per expert before drops (float, detached)
     num_dropped: torch.Tensor          # dropped assignments (top-k) or unchosen tokens (expert choice)
     num_assignments: int               # T*K (top-k) or T (expert choice): drop fraction's denominator
+    # Sum over the T tokens of the entropy (nats) of each token's distribution over experts.
+    entropy_sum: torch.Tensor | None = None
+    num_tokens: int = 0
+
+
+def entropy_sum(probs_TE, valid_T=None) -> torch.Tensor:
+    """Sum over tokens of -sum_e p log p (detached; 0 log 0 = 0): the router-entropy view.
+    `valid_T` (packed with padding): the real tokens' only, masked without a host sync."""
+    with torch.no_grad():
+        entropy_T = -torch.special.xlogy(probs_TE, probs_TE).sum(-1)
+        return entropy_T.sum() if valid_T is None else (entropy_T * valid_T).sum()
 
 
 class RouterOutput(NamedTuple):
@@ -229,21 +242,24 @@ class TopKRouter(RouterBase):
             choice_TE = choice_TGe.masked_fill(~keep_TG[..., None], float("-inf")).view(num_tokens, -1)
         return choice_TE.topk(self.top_k, dim=-1).indices
 
-    def forward(self, x_TD, seq_len: int | None = None, valid_T=None,
-                doc_T=None) -> "RouterOutput":
+    def forward(self, x_TD, seq_len: int | None = None, valid_T=None, doc_T=None,
+                replay_TK: torch.Tensor | None = None) -> "RouterOutput":
         """(Routing, RouterLosses, RoutingStats) for one capacity group of T tokens. Packed
         documents (layers/documents.py): `valid_T` marks real tokens (padding takes no expert
         slot, is never sent and counts in no statistic or loss), `doc_T` each token's document
-        (the sequence balance loss per document)."""
+        (the sequence balance loss per document).
+
+        `replay_TK` (routing replay, layers/replay.py): the experts to use instead of selecting
+        and dropping, id E + e for a copy of expert e that capacity dropped; the combine weights
+        are still the scores at those experts, so the router gets its gradient. (Replay with
+        packed documents is refused by the config.)"""
         cfg, num_tokens = self.cfg, x_TD.shape[0]
         logits_TE = self.logits(x_TD)
         scores_TE = self.scores(logits_TE)
+        if replay_TK is not None:
+            return self._replayed(logits_TE, scores_TE, replay_TK, seq_len or num_tokens)
         experts_TK = self.select(scores_TE.detach())
-        weights_TK = scores_TE.gather(1, experts_TK)
-        if cfg.norm_topk_prob:
-            weights_TK = weights_TK / (weights_TK.sum(-1, keepdim=True) + 1e-20)
-        if cfg.routed_scaling_factor != 1.0:
-            weights_TK = weights_TK * cfg.routed_scaling_factor
+        weights_TK = self._weights(scores_TE, experts_TK)
         seq_len = seq_len or num_tokens
 
         expert_N = experts_TK.flatten()
@@ -258,9 +274,38 @@ class TopKRouter(RouterBase):
             expert_N = torch.where(valid_N, expert_N, self.num_experts)   # padding: not sent
         token_N = torch.arange(num_tokens, device=x_TD.device).repeat_interleave(self.top_k)
         routing = Routing(token_N, expert_N, weight_N, self.top_k,
-                          cfg.capacity_factor is None and valid_T is None)
+                          cfg.capacity_factor is None and valid_T is None, experts_TK.flatten())
         return RouterOutput(routing, *self._losses(logits_TE, scores_TE, experts_TK, expert_N,
                                                    seq_len, valid_T, doc_T))
+
+    def _weights(self, scores_TE, experts_TK):
+        """Combine weights: the scores at the chosen experts, normalised and scaled by config."""
+        cfg = self.cfg
+        weights_TK = scores_TE.gather(1, experts_TK)
+        if cfg.norm_topk_prob:
+            weights_TK = weights_TK / (weights_TK.sum(-1, keepdim=True) + 1e-20)
+        if cfg.routed_scaling_factor != 1.0:
+            weights_TK = weights_TK * cfg.routed_scaling_factor
+        return weights_TK
+
+    def _replayed(self, logits_TE, scores_TE, replay_TK, seq_len: int):
+        """The routing of replayed experts: no selection and no capacity; the recorded drops
+        (id E + e) stay dropped, and their expert e still counts in the balance losses and in
+        norm_topk_prob's sum, as in the recorded run."""
+        num_tokens, num_experts = scores_TE.shape
+        if tuple(replay_TK.shape) != (num_tokens, self.top_k):
+            raise ValueError(f"routing replay gives experts of shape {tuple(replay_TK.shape)} "
+                             f"for {num_tokens} tokens of top-{self.top_k} routing")
+        replay_TK = replay_TK.to(device=scores_TE.device, dtype=torch.long)
+        experts_TK = replay_TK % num_experts                 # the choice before drops
+        weights_TK = self._weights(scores_TE, experts_TK)
+        expert_N = torch.where(replay_TK < num_experts, replay_TK, num_experts).flatten()
+        token_N = torch.arange(num_tokens, device=scores_TE.device).repeat_interleave(self.top_k)
+        # dropless=False: a replayed copy may be a recorded drop, which the host cannot know.
+        routing = Routing(token_N, expert_N, weights_TK.flatten(), self.top_k, False,
+                          experts_TK.flatten())
+        return RouterOutput(routing, *self._losses(logits_TE, scores_TE, experts_TK, expert_N,
+                                                   seq_len))
 
     def _keep(self, expert_N, weight_N, seq_len: int, valid_N=None):
         """Capacity: True for the assignments kept (the group is this call's tokens; padding's
@@ -295,7 +340,9 @@ class TopKRouter(RouterBase):
                                           (cfg.z_coeff, z)) if c]
         total = sum(terms[1:], terms[0]) if terms else balance.detach() * 0.0
         losses = RouterLosses(total, balance.detach(), seq_balance.detach(), z.detach(), parts)
-        stats = RoutingStats(counts_E.to(torch.float32), dropped.sum(), assignments)
+        stats = RoutingStats(counts_E.to(torch.float32), dropped.sum(), assignments,
+                             entropy_sum(probs_TE, valid_T),
+                             probs_TE.shape[0] if valid_T is None else valid_T.sum())
         return losses, stats
 
     def _loss_values(self, probs_TE, experts_TK, logits_TE, counts_E, seq_len: int):
@@ -386,7 +433,7 @@ class ExpertChoiceRouter(RouterBase):
         chosen_T = torch.zeros(num_tokens, dtype=torch.bool, device=x_TD.device).index_fill_(
             0, token_EC.flatten(), True)
         stats = RoutingStats(torch.full((self.num_experts,), float(cap), device=x_TD.device),
-                             (~chosen_T).sum(), num_tokens)
+                             (~chosen_T).sum(), num_tokens, entropy_sum(scores_TE), num_tokens)
         return RouterOutput(routing, losses, stats)
 
 

@@ -179,6 +179,8 @@ class TrainConfig:
     eval_every: int = 0            # steps between validation losses (and the last step); 0: none
     eval_batches: int = 1          # global batches (global_batch_size sequences) per validation
     mtp_coeff: float = 0.3         # weight of the mean MTP loss (model.mtp_layers; DeepSeek-V3: 0.3, later 0.1)
+    record_routing: str = ""       # DIR: write each step's expert choices there (docs/routing-replay.md)
+    router_replay: str = ""        # DIR: route by the choices recorded there; the router still trains
 
     def __post_init__(self):
         for name in ("steps", "micro_batch_size", "global_batch_size", "seq_len", "eval_batches"):
@@ -332,6 +334,8 @@ class RunDirConfig:
     async_checkpoint: bool = False  # copy to host memory, write in the background while training
     tensorboard: bool = True
     tb_image_every: int = 10      # steps between TensorBoard load heatmaps (and step 1); 0: none
+    collapse_dead_steps: int = 100  # alarm when an expert gets no token this many steps in a row; 0: off
+    collapse_min_entropy: float = 0.05  # alarm when a layer's router entropy / log E is below; 0: off
 
     def __post_init__(self):
         if not self.dir:
@@ -347,9 +351,13 @@ class RunDirConfig:
                 raise ValueError(f"run.resume={self.resume!r} must be true, false or \"auto\" "
                                  "(resume when a complete checkpoint exists, else start fresh)")
             self.resume = "auto"
-        for name in ("log_every", "checkpoint_every", "keep_checkpoints", "tb_image_every"):
+        for name in ("log_every", "checkpoint_every", "keep_checkpoints", "tb_image_every",
+                     "collapse_dead_steps"):
             if getattr(self, name) < 0:
                 raise ValueError(f"run.{name}={getattr(self, name)} must be >= 0")
+        if not 0 <= self.collapse_min_entropy <= 1:
+            raise ValueError(f"run.collapse_min_entropy={self.collapse_min_entropy} must be in "
+                             "[0, 1] (router entropy over log(num_experts); 0 turns it off)")
         for name in ("resume_from", "init_from"):
             path = getattr(self, name)
             if path and not os.path.isdir(path):
@@ -391,6 +399,7 @@ class RunConfig:
         if self.model.mtp_layers >= self.train.seq_len:
             raise ValueError(f"model.mtp_layers={self.model.mtp_layers} must be < train.seq_len="
                              f"{self.train.seq_len} (depth k predicts k+1 tokens ahead)")
+        check_routing_replay(self)
         if p.dispatcher == "hierarchical" and p.gpus_per_node:   # (0: the launcher's, build_dims)
             node_layout(p.ep, p.gpus_per_node, self.model.num_experts, self.router.n_group)
         if p.pp == 1 and p.pp_virtual > 1:
@@ -421,6 +430,30 @@ class RunConfig:
         if self.data.source in ("builtin", "text") and self.model.vocab_size < 256:
             raise ValueError(f"model.vocab_size={self.model.vocab_size} must be >= 256 for the "
                              f"byte-level tokenizer (data.source={self.data.source!r})")
+
+
+def check_routing_replay(cfg: "RunConfig"):
+    """train.record_routing / train.router_replay need every rank to route whole sequences of
+    every MoE layer with top-k routing (moepar/routing.py)."""
+    t, p = cfg.train, cfg.parallel
+    key = "train.record_routing" if t.record_routing else "train.router_replay"
+    if not (t.record_routing or t.router_replay):
+        return
+    if t.record_routing and t.router_replay:
+        raise ValueError("train.record_routing and train.router_replay are both set: a replayed "
+                         "run's choices are the recorded ones; set one")
+    if p.pp > 1 or p.tp > 1:
+        raise ValueError(f"{key} with parallel.pp={p.pp}, parallel.tp={p.tp}: routing is "
+                         "recorded and replayed by whole sequences of every MoE layer; use "
+                         "pp = tp = 1 (any dp, ep and zero)")
+    if cfg.data.pack != "none" or cfg.model.mtp_layers:
+        raise ValueError(f"{key} with data.pack={cfg.data.pack!r}, model.mtp_layers="
+                         f"{cfg.model.mtp_layers}: recorded routing covers every position of "
+                         "whole sequences of the main layers; use data.pack='none' and "
+                         "model.mtp_layers=0")
+    if cfg.router.type != "topk" or cfg.model.num_experts == 0:
+        raise ValueError(f"{key} needs token-choice routing (router.type='topk', "
+                         f"model.num_experts > 0), got router.type={cfg.router.type!r}")
 
 
 def config_keys(names: list[str], what: str) -> list[str]:

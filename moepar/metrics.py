@@ -19,7 +19,8 @@ step on resume:
 |--------------------|------------|--------------------------------------------------------------|
 | metrics.jsonl      | -          | step, loss, aux losses, drop fraction, imbalance, lr, ...    |
 |                    |            | (+ val_loss, val_ppl at validation steps: TensorBoard val/)  |
-| expert_load.jsonl  | a header   | step, tokens [L][E], dropped [L], assigned [L], bias [L][E]  |
+| expert_load.jsonl  | a header   | step, tokens [L][E], dropped [L], assigned [L], bias [L][E], |
+|                    |            | entropy [L]; at log steps expert_ms [L][ep] (experttime.py)  |
 
 The expert-load header names the format, the model's MoE layer numbers and the expert count;
 `moepar inspect` reads it (moepar/inspect/runload.py). `bias` is there when the routers learn an
@@ -36,6 +37,7 @@ import torch.distributed as dist
 
 from moepar.jsonfile import parse_json
 from moepar.parallel.grads import all_reduce_sum
+from moepar.loadviews import CollapseWatch, bar_histogram, rank_rows_LP, write_views_tb
 from moepar.plots import heatmap_rgb, ratio_to_mean
 
 __all__ = ["StepStats", "PendingMetrics", "MetricsWriter", "SUMMARY_KEYS", "imbalance_L", "moe_layer_numbers", "LOAD_FILE",
@@ -57,6 +59,9 @@ class StepStats:
         self.tokens_LE = torch.zeros(num_layers, num_experts, dtype=torch.float64, device=device)
         self.dropped_L = torch.zeros(num_layers, dtype=torch.float64, device=device)
         self.assignments_L = torch.zeros(num_layers, dtype=torch.float64, device=device)
+        # Router entropy (nats) summed over the routed tokens, and those tokens: the entropy view.
+        self.entropy_L = torch.zeros(num_layers, dtype=torch.float64, device=device)
+        self.routed_tokens_L = torch.zeros(num_layers, dtype=torch.float64, device=device)
         # weighted balance (incl. sequence-level), weighted z, unweighted balance; summed over layers
         self.losses_3 = torch.zeros(3, dtype=torch.float64, device=device)
         # the sum over micro-batches of their mean MTP loss (model.mtp_layers), unweighted
@@ -76,6 +81,9 @@ class StepStats:
             self.tokens_LE[layer] += out.stats.tokens_per_expert_E.to(self.tokens_LE)
             self.dropped_L[layer] += out.stats.num_dropped.to(self.dropped_L)
             self.assignments_L[layer] += out.stats.num_assignments
+            if out.stats.entropy_sum is not None:
+                self.entropy_L[layer] += out.stats.entropy_sum.to(self.entropy_L)
+                self.routed_tokens_L[layer] += out.stats.num_tokens
             loss = out.aux_loss
             trained = router_cfg.seq_balance_coeff * loss.seq_balance
             if balance is None:
@@ -91,11 +99,12 @@ class StepStats:
         the loss lives on the last). Loads and drops are also summed over `slice_group` (tensor
         parallel ranks each route a slice of the sequence; their losses are already the whole
         micro-batch's). Every rank calls this, MoE layers or not, in the same order."""
-        parts = [self.tokens_LE, self.dropped_L, self.assignments_L, self.losses_3, self.mtp_1]
+        parts = [self.tokens_LE, self.dropped_L, self.assignments_L, self.entropy_L,
+                 self.routed_tokens_L, self.losses_3, self.mtp_1]
         extra = list(extra)
         packed = [t.to(torch.float64) for t in extra]
         if slice_group is not None:
-            all_reduce_sum(parts[:3], slice_group)
+            all_reduce_sum(parts[:5], slice_group)
         all_reduce_sum(parts + packed, group)
         if stage_group is not None:
             all_reduce_sum(parts + packed, stage_group)
@@ -174,11 +183,14 @@ def _numbers(values: list[float]) -> list:
 
 def _pack(stats: StepStats, expert_bias_LE=None) -> torch.Tensor:
     """Everything a step's lines need, as one float64 device vector (no sync): summary_6, then
-    tokens [L*E], dropped [L], assigned [L], max/mean [L], cv [L], bias [L*E] if any."""
+    tokens [L*E], dropped [L], assigned [L], max/mean [L], cv [L], router entropy over log E
+    [L], bias [L*E] if any."""
     max_ratio_L, cv_L = (imbalance_L(stats.tokens_LE) if stats.tokens_LE.numel() else
                          (stats.dropped_L, stats.dropped_L))     # no MoE layers: all empty
+    # NaN for a layer no router call reported (hand-made statistics): not written.
+    entropy_L = stats.entropy_L / stats.routed_tokens_L / math.log(max(stats.tokens_LE.shape[1], 2))
     parts = [stats.summary_6(), stats.tokens_LE.reshape(-1), stats.dropped_L, stats.assignments_L,
-             max_ratio_L, cv_L]
+             max_ratio_L, cv_L, entropy_L]
     if expert_bias_LE is not None:
         parts.append(expert_bias_LE.reshape(-1))
     return torch.cat([p.to(torch.float64) for p in parts])
@@ -196,7 +208,8 @@ def _unpack(values: list[float], num_layers: int, num_experts: int, has_bias: bo
         return values[at - n:at]
     tokens = take(L * E)
     load = {"tokens_LE": [tokens[i * E:(i + 1) * E] for i in range(L)], "dropped_L": take(L),
-            "assigned_L": take(L), "max_ratio_L": take(L), "cv_L": take(L), "bias_LE": None}
+            "assigned_L": take(L), "max_ratio_L": take(L), "cv_L": take(L),
+            "entropy_L": take(L), "bias_LE": None}
     if has_bias:
         bias = take(L * E)
         load["bias_LE"] = [bias[i * E:(i + 1) * E] for i in range(L)]
@@ -212,6 +225,13 @@ class PendingMetrics:
 
     def __init__(self):
         self.items = []
+        self.expert_ms_LP = None
+
+    def attach_expert_ms(self, ms_LP: torch.Tensor):
+        """A log window's measured expert time [L, P] (moepar/experttime.py), on the device: read
+        in the flush's one copy and given to the last pending step's loads as expert_ms_LP."""
+        if self.items:
+            self.expert_ms_LP = ms_LP
 
     def add(self, record: dict, stats: StepStats, expert_bias_LE=None):
         shape = tuple(stats.tokens_LE.shape)
@@ -222,7 +242,9 @@ class PendingMetrics:
         if not self.items:
             return []
         items, self.items = self.items, []
-        values = torch.cat([packed for _, packed, _, _ in items]).tolist()   # the one sync
+        ms_LP, self.expert_ms_LP = self.expert_ms_LP, None
+        extra = [] if ms_LP is None else [ms_LP.reshape(-1).to(torch.float64)]
+        values = torch.cat([packed for _, packed, _, _ in items] + extra).tolist()   # the one sync
         out, at = [], 0
         for record, packed, (L, E), has_bias in items:
             summary, load = _unpack(values[at:at + packed.numel()], L, E, has_bias)
@@ -232,6 +254,10 @@ class PendingMetrics:
             record.clear()
             record.update({**head, **summary, **rest})
             out.append((record, load))
+        if ms_LP is not None and out[-1][1] is not None:
+            width = ms_LP.shape[1]
+            out[-1][1]["expert_ms_LP"] = [values[at + i:at + i + width]
+                                          for i in range(0, ms_LP.numel(), width)]
         return out
 
 
@@ -239,6 +265,10 @@ def load_record(step: int, load: dict) -> dict:
     """One expert_load.jsonl line: this step's loads (routed copies before drops) per layer."""
     record = {"step": step, "tokens": [_numbers(row) for row in load["tokens_LE"]],
               "dropped": _numbers(load["dropped_L"]), "assigned": _numbers(load["assigned_L"])}
+    if load.get("expert_ms_LP") is not None:     # a log step: the window's expert time
+        record["expert_ms"] = [[round(float(v), 4) for v in row] for row in load["expert_ms_LP"]]
+    if all(map(math.isfinite, load["entropy_L"])):
+        record["entropy"] = [round(v, 5) for v in load["entropy_L"]]
     if load["bias_LE"] is not None:
         # 5 significant digits: a bias moves by router.bias_update_rate a step (1e-3 typical),
         # so this tells every step's value apart up to 100; float32's 9 digits double the line.
@@ -252,8 +282,11 @@ class MetricsWriter:
     heatmap image goes to TensorBoard every `image_every` steps (and at step 1; 0: never)."""
 
     def __init__(self, run_dir: str, tensorboard: bool, resume_step: int = 0, ep: int = 1, *,
-                 model, image_every: int = 10):
+                 model, image_every: int = 10, dead_steps: int = 0, min_entropy: float = 0.0):
         self.ep = ep
+        # The collapse alarm (loadviews.py): its text joins the step's record as "collapse".
+        self.watch = CollapseWatch(moe_layer_numbers(model), model.num_experts, dead_steps,
+                                   min_entropy)
         self.image_every = image_every
         self.layers = moe_layer_numbers(model)
         self.path = os.path.join(run_dir, "metrics.jsonl")
@@ -282,6 +315,11 @@ class MetricsWriter:
         once."""
         if not steps:
             return
+        for record, load in steps:
+            if load is not None and self.layers:
+                alarm = self.watch.update(np.array(load["tokens_LE"]), load["entropy_L"])
+                if alarm:
+                    record["collapse"] = alarm
         with open(self.path, "a") as f:
             f.writelines(json.dumps(record) + "\n" for record, _ in steps)
         if self.layers:
@@ -300,6 +338,8 @@ class MetricsWriter:
             if key != "step" and isinstance(value, (int, float)) and math.isfinite(value):
                 tag = f"val/{key[4:]}" if key.startswith("val_") else f"train/{key}"
                 self.tb.add_scalar(tag, value, step)
+        if record.get("collapse"):
+            self.tb.add_text("collapse", record["collapse"], step)
         if load is not None and self.layers:
             self._write_load(load, step)
             if load["bias_LE"] is not None:
@@ -308,17 +348,9 @@ class MetricsWriter:
 
     def _write_load(self, load: dict, step: int):
         tokens_LE = np.array(load["tokens_LE"], dtype=np.float64)
-        num_experts = tokens_LE.shape[1]
-        experts = np.arange(num_experts)
         for row, layer in enumerate(self.layers):
-            load_E = tokens_LE[row]
             # Expert index on the x axis, tokens routed to it as the bar height.
-            self.tb.add_histogram_raw(
-                f"tokens_per_expert/layer_{layer}", min=0, max=num_experts,
-                num=float(load_E.sum()), sum=float((load_E * experts).sum()),
-                sum_squares=float((load_E * experts ** 2).sum()),
-                bucket_limits=[float(e + 1) for e in range(num_experts)],
-                bucket_counts=load_E.tolist(), global_step=step)
+            bar_histogram(self.tb, f"tokens_per_expert/layer_{layer}", tokens_LE[row], step)
             self.tb.add_scalar(f"imbalance/max_over_mean/layer_{layer}", load["max_ratio_L"][row],
                                step)
             self.tb.add_scalar(f"imbalance/cv/layer_{layer}", load["cv_L"][row], step)
@@ -329,18 +361,15 @@ class MetricsWriter:
             self.tb.add_image("load/layer_x_expert", heatmap_rgb(
                 ratio_to_mean(tokens_LE), self.layers,
                 f"step {step}: tokens per expert / layer mean"), step, dataformats="HWC")
-        if self.ep > 1:
+        # Percentiles, dead experts, entropies, EP rows (scalars per layer, none per rank).
+        write_views_tb(self.tb, self.layers, tokens_LE, self.ep, step, load["entropy_L"],
+                       load.get("expert_ms_LP"))
+        if self.ep > 1 and draw:
             # Which EP rank is hot: the experts of EP rank r are the r-th block of E/ep.
-            rank_load_LP = tokens_LE.reshape(tokens_LE.shape[0], self.ep, -1).sum(-1)
-            for layer, load_P in zip(self.layers, rank_load_LP, strict=True):
-                share = load_P / max(load_P.sum(), 1.0)
-                for r, value in enumerate(share.tolist()):
-                    self.tb.add_scalar(f"ep_rank_load/layer_{layer}/rank_{r}", value, step)
-            if draw:
-                self.tb.add_image("load/layer_x_ep_rank", heatmap_rgb(
-                    ratio_to_mean(rank_load_LP), self.layers,
-                    f"step {step}: tokens per EP rank / layer mean", xlabel="EP rank"),
-                    step, dataformats="HWC")
+            self.tb.add_image("load/layer_x_ep_rank", heatmap_rgb(
+                ratio_to_mean(rank_rows_LP(tokens_LE, self.ep)), self.layers,
+                f"step {step}: tokens per EP rank / layer mean", xlabel="EP rank"),
+                step, dataformats="HWC")
 
     def close(self):
         if self.tb is not None:

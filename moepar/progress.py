@@ -59,7 +59,7 @@ def progress_line(r: dict, total_steps: int, tokens_per_s: float, elapsed_s: flo
                   eta_s: float | None) -> str:
     """One record of `Trainer.train_step` with the window's rate and the clock; the router's
     fields (aux and z loss, load, drops) only when the model has MoE layers (the record has
-    them)."""
+    them); the collapse alarm (moepar/loadviews.py) at the end when it is raised."""
     eta = duration(eta_s) if eta_s is not None else "?"
     moe = "aux_loss" in r
     return (f"step {r['step']:>5}/{total_steps} | loss {r['loss']:.4f} | "
@@ -68,7 +68,8 @@ def progress_line(r: dict, total_steps: int, tokens_per_s: float, elapsed_s: flo
             + f"gnorm {r['grad_norm']:.3f} | lr {r['lr']:.2e} | {tokens_per_s / 1000:.1f}k tok/s | "
             + (f"load max/mean {r['max_load_ratio']:.2f} | drop {100 * r['drop_fraction']:.1f}% | "
                if moe else "")
-            + f"{duration(elapsed_s)} elapsed, eta {eta}")
+            + f"{duration(elapsed_s)} elapsed, eta {eta}"
+            + (f" | COLLAPSE {r['collapse']}" if r.get("collapse") else ""))
 
 
 class Progress:

@@ -36,11 +36,14 @@ from moepar.cluster import check_shared_filesystem
 from moepar.config import RunConfig, to_dict
 from moepar.data.sources import build_sampler
 from moepar.expert_placement import Replacer, describe as describe_placement
+from moepar.experttime import ExpertTimer
 from moepar.layers.shapes import param_count
+from moepar.loadviews import straggler_L
 from moepar.loss_scale import LossScaler
 from moepar.metrics import MetricsWriter, PendingMetrics, StepStats
 from moepar.process import init_process_group, select_device
 from moepar.progress import Progress, params_text
+from moepar.routing import StepRouting, check_replay_dir, routing_header
 from moepar.rundir import (DivergenceReplay, RunDirError, RunLock, launcher_holds_lock,
                            plan_run_start, record_divergence, write_config)
 from moepar.validation import Validation
@@ -93,6 +96,9 @@ class Trainer:
         self.device = select_device(tcfg.device, cfg.parallel.backend)
         # Data errors surface here, on every rank, before any process group exists.
         self.sampler = build_sampler(cfg)
+        if tcfg.router_replay:
+            check_replay_dir(tcfg.router_replay, routing_header(
+                cfg.model, tcfg.seq_len, tcfg.global_batch_size), range(1, tcfg.steps + 1))
         self.validation = Validation(cfg, self.dims, self.rank) if tcfg.eval_every else None
         init_process_group(cfg.parallel, self.device, world_size)
         if shared_run_dir:   # every rank writes checkpoints there (a no-op alone)
@@ -131,6 +137,13 @@ class Trainer:
         elif cfg.run.init_from:
             load_checkpoint(cfg.run.init_from, self.engine, restore_rng=False)
             self.log(f"initialised weights from {cfg.run.init_from}")
+        self.expert_timer = (ExpertTimer(self.engine.model, self.layout,
+                                         len(self.engine.moe_layer_ids))
+                             if self.engine.moe_layer_ids else None)   # the straggler view
+        self.routing = None
+        if tcfg.record_routing or tcfg.router_replay:
+            self.routing = StepRouting(cfg, self.engine.model, self.first_micro *
+                                       tcfg.micro_batch_size, self.step, self.rank == 0)
         if self.dims.gpus_per_node:
             self.log(f"nodes: {self.dims.describe_nodes()}")
         placement = self.rank == 0 and describe_placement(cfg, self.dims.ep,
@@ -213,8 +226,12 @@ class Trainer:
         packed = {}
         if getattr(self.sampler, "packed", False):   # data.pack: documents, weighted losses
             packed = {"documents": [b[2] for b in batches], "weights": self._loss_weights()}
+        if self.routing is not None:         # routing record or replay (moepar/routing.py)
+            self.routing.begin(self.step + 1, [b[0] for b in batches])
         loss_sum = self.engine.forward_backward([b[0] for b in batches], [b[1] for b in batches],
                                                 stats, **packed)
+        if self.routing is not None:
+            self.routing.end(self.step + 1)
         self.sampler.position += self.num_micro
         return loss_sum
 
@@ -302,6 +319,8 @@ class Trainer:
         if self.cfg.model.mtp_layers:   # "loss" is the main model's; the trained one adds this
             record["mtp_loss"] = mtp_sum / self.num_micro
         self.last_stats = stats
+        if self.expert_timer is not None:
+            self.expert_timer.step()
         return record
 
     def _check_params_due(self) -> bool:
@@ -413,7 +432,9 @@ class Trainer:
                                  "(the resolved config is in each checkpoint's state.json)")
                     writer = MetricsWriter(cfg.run.dir, cfg.run.tensorboard,
                                            resume_step=self.step, ep=self.dims.ep,
-                                           model=cfg.model, image_every=cfg.run.tb_image_every)
+                                           model=cfg.model, image_every=cfg.run.tb_image_every,
+                                           dead_steps=cfg.run.collapse_dead_steps,
+                                           min_entropy=cfg.run.collapse_min_entropy)
                 progress = Progress(cfg.train.steps, cfg.train.global_batch_size *
                                     cfg.train.seq_len, self.step, time.perf_counter())
                 while self.step < cfg.train.steps:
@@ -435,7 +456,7 @@ class Trainer:
                     log_due = self.step % (cfg.run.log_every or 1) == 0 or self.step == 1 or \
                         self.step == cfg.train.steps
                     if log_due or (every and self.step % every == 0) or self.stop_agreed:
-                        self._write_metrics(pending, writer)   # before any save: on disk too
+                        self._write_metrics(pending, writer, timed=True)   # before any save
                     if cfg.run.log_every and log_due:
                         self.log(progress.line(record, time.perf_counter()))
                     self.poll_save()
@@ -473,11 +494,22 @@ class Trainer:
         return records
 
 
-    @staticmethod
-    def _write_metrics(pending: PendingMetrics, writer: MetricsWriter | None):
+    def _write_metrics(self, pending: PendingMetrics, writer: MetricsWriter | None,
+                       timed: bool = False):
         """The pending steps' statistics read (one host sync, every rank: the records returned
-        are complete everywhere) and written (rank 0)."""
+        are complete everywhere) and written (rank 0). `timed`: the previous log window's
+        measured expert time joins the last step (a collective: every rank at the same steps,
+        never on the way out of an error; moepar/experttime.py)."""
+        timer = self.expert_timer if timed else None
+        ms_LP = None if timer is None else timer.reduced()    # the last window's, a collective
+        if ms_LP is not None:
+            pending.attach_expert_ms(ms_LP)
         steps = pending.flush()
+        if timer is not None:
+            timer.harvest()              # after the flush's sync: this window's events are done
+        if steps and steps[-1][1] is not None and "expert_ms_LP" in steps[-1][1]:
+            straggler = straggler_L(steps[-1][1]["expert_ms_LP"]).max()
+            steps[-1][0]["expert_straggler"] = float(straggler)
         if writer is not None:
             writer.write_many(steps)
 

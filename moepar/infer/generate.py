@@ -23,6 +23,7 @@ import time
 import torch
 
 from moepar.hf import from_hf as convert
+from moepar.routing import RolloutRecorder
 
 from .source import Source, SourceError, build_model, load_tokenizer, resolve_source
 
@@ -216,6 +217,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto",
                         help="auto: cuda when available")
     parser.add_argument("--dtype", choices=sorted(DTYPES), default="float32")
+    parser.add_argument("--record-routing", metavar="DIR",
+                        help="write every MoE layer's expert choices of the rollout to DIR, in "
+                             "train.router_replay's format (docs/routing-replay.md)")
     return parser
 
 
@@ -231,10 +235,13 @@ def main(argv: list[str]) -> int:
         ids = tokenizer.encode(args.prompt)
         if not ids:
             raise ValueError("--prompt is empty: it encodes to no tokens")
+        recorder = RolloutRecorder(lm.model, 1) if args.record_routing else None
         start = time.perf_counter()
         out = lm.generate(torch.tensor([ids]), args.max_new_tokens, args.temperature,
                           args.top_p, args.seed, eos_ids=() if args.ignore_eos else None)
         seconds = time.perf_counter() - start
+        if recorder is not None:
+            recorder.write(args.record_routing, out)
     except (ValueError, OSError) as e:       # SourceError and CheckpointError are ValueErrors
         print(f"moepar generate: error: {e}", file=sys.stderr)
         return 1

@@ -17,6 +17,7 @@ import os
 import sys
 
 from moepar import plots
+from moepar.config import RunDirConfig
 
 from .report import format_text, imbalance_SL, step_index, summarize
 from .runload import InspectError, read_run
@@ -30,7 +31,9 @@ def build_parser() -> argparse.ArgumentParser:
         description="Summarize a run's expert load per MoE layer (named by the model's layer "
                     "numbers): hottest and coldest experts with their share of routed tokens, "
                     "dead experts (no token in the window), drop rate, busiest-expert/mean and "
-                    "coefficient of variation over time, and the learned expert-bias range.",
+                    "coefficient of variation over time, the learned expert-bias range, the "
+                    "load views (percentiles, entropies, EP-rank rows, straggler) and the "
+                    "collapse alarm.",
         epilog="window: the last N recorded steps; first/last: the mean over the first/last N "
                "steps; trend: least-squares slope per 100 steps.\nPlots (--plots DIR): "
                "heatmap.png (layer x expert load over the window, 1 = uniform share), "
@@ -45,6 +48,12 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--plots", metavar="DIR", help="write the PNG plots into DIR (created)")
     parser.add_argument("--compare", metavar="RUN2", help="a second run, side by side")
     parser.add_argument("--json", action="store_true", help="print the report as JSON")
+    parser.add_argument("--dead-steps", type=int, default=RunDirConfig.collapse_dead_steps,
+                        metavar="N", help="collapse alarm: an expert dead for the last N "
+                        "recorded steps (default: run.collapse_dead_steps's, %(default)s; 0: off)")
+    parser.add_argument("--min-entropy", type=float, default=RunDirConfig.collapse_min_entropy,
+                        metavar="X", help="collapse alarm: router entropy over log E under X at "
+                        "the last step (default %(default)s; 0: off)")
     return parser
 
 
@@ -76,7 +85,8 @@ def main(argv: list[str]) -> int:
         return 2
     try:
         runs = [read_run(args.run)] + ([read_run(args.compare)] if args.compare else [])
-        reports = [summarize(run, args.last, args.step) for run in runs]
+        reports = [summarize(run, args.last, args.step, args.dead_steps, args.min_entropy)
+                   for run in runs]
         paths = write_plots(runs, reports, args.plots, args.step) if args.plots else []
     except InspectError as e:
         print(f"moepar inspect: {e}", file=sys.stderr)

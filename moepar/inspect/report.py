@@ -12,7 +12,12 @@ Definitions (the README and `moepar inspect --help` repeat them):
   standard deviation over the mean; `first` and `last` average them over the first and last N
   steps, `trend` is the least-squares slope over all steps, per 100 steps;
 - bias: the learned expert-selection bias after the last step: lowest, highest, their spread,
-  and the spread after the first step.
+  and the spread after the first step;
+- views (moepar/loadviews.py): p50/p90/p99 and max of the window's loads over the mean, load
+  entropy and EP-rank rows max/mean of the window, router entropy averaged over it, and the
+  straggler factor of the last measured expert time per EP rank;
+- collapse: the training alarm (run.collapse_dead_steps, run.collapse_min_entropy) at the last
+  step: an expert dead for the last N recorded steps in a row, or router entropy under the bar.
 """
 
 import math
@@ -21,9 +26,10 @@ import numpy as np
 import torch
 
 from moepar.inspect.runload import InspectError, RunLoad
+from moepar.loadviews import collapse_text, layer_views, straggler_L
 from moepar.metrics import imbalance_L
 
-__all__ = ["TOP", "step_index", "layer_stats", "summarize", "format_text", "imbalance_SL"]
+__all__ = ["TOP", "step_index", "layer_stats", "collapse", "summarize", "format_text", "imbalance_SL"]
 
 TOP = 3   # hottest and coldest experts listed per layer
 
@@ -70,6 +76,15 @@ def layer_stats(run: RunLoad, last: int, step: int | None = None) -> list[dict]:
     window = min(last, len(run.steps_S))
     ratio_SL, cv_SL = imbalance_SL(run)
     at = None if step is None else step_index(run, step)
+    entropy_L = None
+    if run.entropy_SL is not None:
+        recent = run.entropy_SL[-window:]
+        entropy_L = np.array([np.nanmean(c) if np.isfinite(c).any() else np.nan
+                              for c in recent.T])
+    ep = 1 if run.expert_ms_LP is None else run.expert_ms_LP.shape[1]
+    views = layer_views(run.tokens_SLE[-window:].sum(0), ep, entropy_L)
+    if run.expert_ms_LP is not None:
+        views["straggler"] = straggler_L(run.expert_ms_LP)
     out = []
     for row, layer in enumerate(run.layers):
         tokens_E = run.tokens_SLE[-window:, row].sum(0)
@@ -85,6 +100,8 @@ def layer_stats(run: RunLoad, last: int, step: int | None = None) -> list[dict]:
             "max_over_mean": _over_time(run.steps_S, ratio_SL[:, row], window),
             "cv": _over_time(run.steps_S, cv_SL[:, row], window),
             "bias": None if run.bias_SLE is None else _bias(run.bias_SLE[:, row]),
+            "views": {name: (None if not math.isfinite(v[row]) else float(v[row]))
+                      for name, v in views.items()},
         }
         if at is not None:
             stats["step_tokens"] = [float(v) for v in run.tokens_SLE[at, row]]
@@ -100,9 +117,20 @@ def step_index(run: RunLoad, step: int) -> int:
     return int(found[0])
 
 
-def summarize(run: RunLoad, last: int, step: int | None = None) -> dict:
+def collapse(run: RunLoad, dead_steps: int, min_entropy: float) -> str:
+    """The training's collapse alarm at the run's last recorded step ('' when healthy)."""
+    dead_SLE = run.tokens_SLE == 0
+    # Steps in a row, up to the last, that each expert got no token.
+    alive_before = np.cumprod(dead_SLE[::-1], axis=0).sum(0)
+    entropy_L = None if run.entropy_SL is None else run.entropy_SL[-1]
+    return collapse_text(run.layers, alive_before, entropy_L, dead_steps, min_entropy)
+
+
+def summarize(run: RunLoad, last: int, step: int | None = None, dead_steps: int = 0,
+              min_entropy: float = 0.0) -> dict:
     window = min(last, len(run.steps_S))
     return {
+        "collapse": collapse(run, dead_steps, min_entropy),
         "run": run.run_dir, "num_steps": len(run.steps_S),
         "first_step": int(run.steps_S[0]), "last_step": int(run.steps_S[-1]),
         "num_experts": run.num_experts, "moe_layers": list(run.layers),
@@ -149,10 +177,20 @@ def _rows(stats: dict | None, with_step: bool) -> list[tuple[str, str]]:
     rows = [("hottest", _experts(stats["hottest"])), ("coldest", _experts(stats["coldest"])),
             ("dead", _dead(stats["dead"])), ("dropped", f"{100 * stats['drop_rate']:.2f}%"),
             ("max/mean", _over(stats["max_over_mean"])), ("cv", _over(stats["cv"])),
-            ("bias", _bias_text(stats["bias"]))]
+            ("bias", _bias_text(stats["bias"])), ("views", _views(stats["views"]))]
     if with_step:
         rows.append(("at step", " ".join(f"{v:g}" for v in stats["step_tokens"])))
     return rows
+
+
+def _views(views: dict) -> str:
+    def num(name, fmt):
+        return "-" if views.get(name) is None else format(views[name], fmt)
+    text = (f"p50 {num('p50', '.2f')}, p90 {num('p90', '.2f')}, p99 {num('p99', '.2f')}, "
+            f"max {num('max_over_mean', '.2f')} x mean; entropy load {num('load_entropy', '.2f')}"
+            f", router {num('router_entropy', '.2f')}; EP rows max/mean "
+            f"{num('rank_rows', '.2f')}")
+    return text + (f", straggler {num('straggler', '.2f')}" if "straggler" in views else "")
 
 
 def _header(report: dict) -> list[str]:
@@ -162,6 +200,8 @@ def _header(report: dict) -> list[str]:
              f"{report['num_experts']} experts (uniform share "
              f"{100 / report['num_experts']:.1f}%); window: the last {w['steps']} steps "
              f"({w['first_step']}..{w['last_step']})"]
+    if report.get("collapse"):
+        lines.append(f"  COLLAPSE {report['collapse']}")
     if report["torn_line"]:
         lines.append(f"  note: the last line ({report['torn_line']}) of its expert_load.jsonl "
                      "is torn (a crash mid-write?) and was left out")

@@ -8,6 +8,7 @@ is not JSON is left out and reported (`RunLoad.torn_line`); any other bad line (
 of the wrong shape) means the file is damaged or foreign, and is refused with its line number.
 """
 
+import math
 import os
 from dataclasses import dataclass
 
@@ -35,6 +36,8 @@ class RunLoad:
     assigned_SL: np.ndarray        # routed copies per layer (tokens * top_k, or the router's)
     bias_SLE: np.ndarray | None    # the expert-selection bias after each step, when learned
     torn_line: int | None = None   # 1-based line number of a torn last line that was left out
+    entropy_SL: np.ndarray | None = None   # router entropy over log E (NaN where not recorded)
+    expert_ms_LP: np.ndarray | None = None  # the last measured expert time per EP rank
 
     @property
     def name(self) -> str:
@@ -103,6 +106,7 @@ def read_run(run_dir: str) -> RunLoad:
                            "load to inspect")
     shape_LE, shape_L = (len(layers), num_experts), (len(layers),)
     steps, tokens, dropped, assigned, bias = [], [], [], [], []
+    entropy, expert_ms = [], None
     torn = None
     for number, line in enumerate(lines[1:], start=2):
         try:
@@ -124,6 +128,9 @@ def read_run(run_dir: str) -> RunLoad:
         except ValueError as e:
             raise InspectError(f"{path}:{number}: {e}") from None
         steps.append(record["step"])
+        entropy.append(record.get("entropy", [math.nan] * len(layers)))
+        if isinstance(record.get("expert_ms"), list):
+            expert_ms = record["expert_ms"]
         for target, value in zip((tokens, dropped, assigned, bias), row, strict=True):
             target.append(value)
     if not steps:
@@ -133,5 +140,13 @@ def read_run(run_dir: str) -> RunLoad:
     bias_SLE = None
     if any(b is not None for b in bias):
         bias_SLE = np.stack([np.full(shape_LE, np.nan) if b is None else b for b in bias])
+    try:
+        entropy_SL = np.asarray(entropy, dtype=np.float64).reshape(len(steps), len(layers))
+        ms_LP = None if expert_ms is None else np.asarray(expert_ms, dtype=np.float64)
+        if ms_LP is not None and (ms_LP.ndim != 2 or ms_LP.shape[0] != len(layers)):
+            raise ValueError("expert_ms is not [layers][EP ranks]")
+    except ValueError as e:
+        raise InspectError(f"{path}: 'entropy' or 'expert_ms' is malformed ({e})") from None
     return RunLoad(run_dir, layers, num_experts, np.asarray(steps, dtype=np.int64),
-                   np.stack(tokens), np.stack(dropped), np.stack(assigned), bias_SLE, torn)
+                   np.stack(tokens), np.stack(dropped), np.stack(assigned), bias_SLE, torn,
+                   entropy_SL, ms_LP)

@@ -115,7 +115,9 @@ def test_tensorboard_names_layers_by_model_number_and_draws_every_n_steps(tmp_pa
     assert not any("layer_0" in t or "layer_1" in t for t in tags["scalars"] + tags["histograms"])
     assert events.Scalars("imbalance/max_over_mean/layer_2")[0].value == pytest.approx(2.0)
     assert events.Scalars("dropped_fraction/layer_3")[0].value == pytest.approx(1 / 6)
-    assert events.Scalars("ep_rank_load/layer_2/rank_0")[0].value == pytest.approx(4 / 6)
+    # Per EP rank: a histogram (bucket r = rank r), one scalar for the busiest over the mean.
+    assert list(events.Histograms("ep_rank_rows/layer_2")[0].histogram_value.bucket) == [4, 1, 1]
+    assert events.Scalars("views/rank_rows/layer_2")[0].value == pytest.approx(2.0)
     for tag in ("load/layer_x_expert", "load/layer_x_ep_rank"):
         images = events.Images(tag)
         assert [i.step for i in images] == [1, 3, 6]
@@ -174,7 +176,10 @@ def test_resumed_run_rewrites_the_same_loads(tmp_path):
     Trainer(tiny_config(tmp_path / "cut", *flags, "--run.resume=true"), log=quiet).run()
     header, resumed = run_loads(tmp_path / "cut")
     assert header["layers"] == [0, 1]
-    assert resumed == whole
+    # expert_ms is a measured time (experttime.py), and a resumed run's first window has none.
+    untimed = [[{k: v for k, v in r.items() if k != "expert_ms"} for r in rs]
+               for rs in (resumed, whole)]
+    assert untimed[0] == untimed[1]
 
 
 def old_summary(stats) -> dict:
