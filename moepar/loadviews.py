@@ -26,15 +26,23 @@ import math
 
 import numpy as np
 
+from moepar.parallel.expert_map import rank_rows
+
 __all__ = ["bar_histogram", "layer_views", "straggler_L", "rank_rows_LP", "CollapseWatch", "write_views_tb", "VIEWS"]
 
 VIEWS = ("p50", "p90", "p99", "max_over_mean", "dead", "load_entropy", "router_entropy",
          "rank_rows")
 
 
-def rank_rows_LP(tokens_LE: np.ndarray, ep: int) -> np.ndarray:
-    """Rows each EP rank's experts receive, per layer (contiguous placement)."""
-    return tokens_LE.reshape(tokens_LE.shape[0], ep, -1).sum(-1)
+def rank_rows_LP(tokens_LE: np.ndarray, ep: int, maps_L=None) -> np.ndarray:
+    """Rows each EP rank's experts receive, per layer: the r-th block of E/ep experts (contiguous
+    placement), or under `maps_L` (one ExpertMap or None per row; parallel.expert_placement)
+    each rank's slots, a replicated expert's rows split evenly over its copies."""
+    rows_LP = tokens_LE.reshape(tokens_LE.shape[0], ep, -1).sum(-1)
+    for row, expert_map in enumerate(maps_L or []):
+        if expert_map is not None:
+            rows_LP[row] = rank_rows(expert_map, tokens_LE[row])
+    return rows_LP
 
 
 def _over_mean(values: np.ndarray) -> np.ndarray:
@@ -47,7 +55,7 @@ def straggler_L(expert_ms_LP) -> np.ndarray:
     return _over_mean(np.asarray(expert_ms_LP, dtype=np.float64)).max(-1)
 
 
-def layer_views(tokens_LE: np.ndarray, ep: int = 1, entropy_L=None) -> dict:
+def layer_views(tokens_LE: np.ndarray, ep: int = 1, entropy_L=None, maps_L=None) -> dict:
     """{view: [L] numbers} (VIEWS) of one step's or window's loads; router_entropy needs the
     router's `entropy_L` (None: NaN)."""
     ratio_LE = _over_mean(tokens_LE)
@@ -61,7 +69,7 @@ def layer_views(tokens_LE: np.ndarray, ep: int = 1, entropy_L=None) -> dict:
             "dead": (tokens_LE == 0).sum(-1).astype(np.float64), "load_entropy": load_entropy,
             "router_entropy": (np.full(num_layers, np.nan) if entropy_L is None
                                else np.asarray(entropy_L, dtype=np.float64)),
-            "rank_rows": _over_mean(rank_rows_LP(tokens_LE, ep)).max(-1)}
+            "rank_rows": _over_mean(rank_rows_LP(tokens_LE, ep, maps_L)).max(-1)}
 
 
 class CollapseWatch:
@@ -109,13 +117,13 @@ def bar_histogram(tb, tag: str, counts: np.ndarray, step: int):
 
 
 def write_views_tb(tb, layers: list[int], tokens_LE: np.ndarray, ep: int, step: int,
-                   entropy_L=None, expert_ms_LP=None):
+                   entropy_L=None, expert_ms_LP=None, maps_L=None):
     """One step's views: 7 scalars per layer (8 with a measured expert time), whatever ep is,
     and per layer the histograms of expert shares and of each EP rank's rows (and time)."""
-    views = layer_views(tokens_LE, ep, entropy_L)
+    views = layer_views(tokens_LE, ep, entropy_L, maps_L)
     if expert_ms_LP is not None:
         views["straggler"] = straggler_L(expert_ms_LP)
-    rows_LP = rank_rows_LP(tokens_LE, ep)
+    rows_LP = rank_rows_LP(tokens_LE, ep, maps_L)
     for row, layer in enumerate(layers):
         for name, values in views.items():
             # max_over_mean is metrics.py's imbalance/max_over_mean already.

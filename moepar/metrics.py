@@ -284,6 +284,9 @@ class MetricsWriter:
     def __init__(self, run_dir: str, tensorboard: bool, resume_step: int = 0, ep: int = 1, *,
                  model, image_every: int = 10, dead_steps: int = 0, min_entropy: float = 0.0):
         self.ep = ep
+        # Layer number -> ExpertMap (parallel.expert_placement; None: contiguous). The trainer
+        # sets it, and again after an online re-placement: the per-rank views follow the slots.
+        self.expert_maps = None
         # The collapse alarm (loadviews.py): its text joins the step's record as "collapse".
         self.watch = CollapseWatch(moe_layer_numbers(model), model.num_experts, dead_steps,
                                    min_entropy)
@@ -362,12 +365,13 @@ class MetricsWriter:
                 ratio_to_mean(tokens_LE), self.layers,
                 f"step {step}: tokens per expert / layer mean"), step, dataformats="HWC")
         # Percentiles, dead experts, entropies, EP rows (scalars per layer, none per rank).
+        maps_L = None if self.expert_maps is None else [self.expert_maps.get(l) for l in self.layers]
         write_views_tb(self.tb, self.layers, tokens_LE, self.ep, step, load["entropy_L"],
-                       load.get("expert_ms_LP"))
+                       load.get("expert_ms_LP"), maps_L)
         if self.ep > 1 and draw:
-            # Which EP rank is hot: the experts of EP rank r are the r-th block of E/ep.
+            # Which EP rank is hot: its experts' rows (placement.expert_maps; else the r-th block).
             self.tb.add_image("load/layer_x_ep_rank", heatmap_rgb(
-                ratio_to_mean(rank_rows_LP(tokens_LE, self.ep)), self.layers,
+                ratio_to_mean(rank_rows_LP(tokens_LE, self.ep, maps_L)), self.layers,
                 f"step {step}: tokens per EP rank / layer mean", xlabel="EP rank"),
                 step, dataformats="HWC")
 

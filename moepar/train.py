@@ -35,7 +35,7 @@ from moepar.checkpoint import PendingSave, latest_checkpoint, load_checkpoint
 from moepar.cluster import check_shared_filesystem
 from moepar.config import RunConfig, to_dict
 from moepar.data.sources import build_sampler
-from moepar.expert_placement import Replacer, describe as describe_placement
+from moepar.expert_placement import Replacer, build_expert_maps, describe as describe_placement
 from moepar.experttime import ExpertTimer
 from moepar.layers.shapes import param_count
 from moepar.loadviews import straggler_L
@@ -435,6 +435,9 @@ class Trainer:
                                            model=cfg.model, image_every=cfg.run.tb_image_every,
                                            dead_steps=cfg.run.collapse_dead_steps,
                                            min_entropy=cfg.run.collapse_min_entropy)
+                    writer.expert_maps = (self.replacer.maps if self.replacer is not None else
+                                          build_expert_maps(cfg, self.dims.ep,
+                                                            self.dims.gpus_per_node))
                 progress = Progress(cfg.train.steps, cfg.train.global_batch_size *
                                     cfg.train.seq_len, self.step, time.perf_counter())
                 while self.step < cfg.train.steps:
@@ -452,6 +455,8 @@ class Trainer:
                         moved = self.replacer.after_step(self.step, self.last_stats.tokens_LE)
                         if moved:
                             self.log(moved)
+                            if writer is not None:   # (steps not yet written: the new slots)
+                                writer.expert_maps = self.replacer.maps
                     every = cfg.run.checkpoint_every
                     log_due = self.step % (cfg.run.log_every or 1) == 0 or self.step == 1 or \
                         self.step == cfg.train.steps

@@ -13,8 +13,9 @@ from moepar.inspect import main as inspect_main
 from moepar.inspect.report import summarize
 from moepar.inspect.runload import read_run
 from moepar.layers import ModelConfig
-from moepar.loadviews import CollapseWatch, layer_views
+from moepar.loadviews import CollapseWatch, layer_views, rank_rows_LP
 from moepar.metrics import LOAD_FILE, LOAD_FORMAT, MetricsWriter, StepStats
+from moepar.parallel.expert_map import ExpertMap
 from moepar.progress import progress_line
 
 MODEL = ModelConfig(num_layers=2, num_experts=8, top_k=2, dim=32, num_heads=4, num_kv_heads=2,
@@ -35,6 +36,15 @@ def test_views_by_hand():
     assert v["load_entropy"][1] == pytest.approx(1.0)
     # EP ranks hold experts (0,1) (2,3) (4,5) (6,7): rows 0, 4, 8, 20 of mean 8.
     assert v["rank_rows"].tolist() == [2.5, 1.0]
+    # Placed (parallel.expert_placement): layer 0's ranks hold (7,0) (6,1) (5,2) (4,3): rows
+    # 16, 4, 6, 6 of mean 8; layer 1 stays contiguous (None). With a replica slot per rank,
+    # expert 7's 16 rows split over its two copies (below).
+    placed = ExpertMap((7, 0, 6, 1, 5, 2, 4, 3), 8, 4)
+    v = layer_views(tokens_LE, ep=4, maps_L=[placed, None])
+    assert v["rank_rows"].tolist() == [2.0, 1.0]
+    replicated = ExpertMap((7, 0, 6, 6, 1, 7, 5, 2, 4, 4, 3, 5), 8, 4)   # owned 2, then a replica
+    # experts 4-7 have 2 copies each: rows 8+0+2, 2+0+8, 2+2+2, 2+2+2
+    assert rank_rows_LP(tokens_LE, 4, [replicated, None])[0].tolist() == [10, 10, 6, 6]
 
 
 class Tags:
