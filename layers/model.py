@@ -275,7 +275,8 @@ class Transformer(nn.Module):
             moe.aux_loss_scale = scale
 
     def forward(self, x, balance: MicroBalance | None = None, *, cache: KVCache | None = None,
-                logits_to_keep: int = 0, chunk: int | None = None, head_fn=None):
+                logits_to_keep: int = 0, chunk: int | None = None, head_fn=None,
+                positions: torch.Tensor | None = None):
         """`x`: token ids [B, S], or the hidden states [B, S, D] a previous pipeline stage sent
         (this model holds no embedding, or runs a chunk after its first). Returns (logits, or the
         hidden states when this model or chunk does not end the model; the MoE outputs).
@@ -287,7 +288,9 @@ class Transformer(nn.Module):
         `chunk_slices` only. `head_fn(h_BSD, head_weight)` replaces the LM head, and its value the
         logits: the training loss reads the final norm's output and the head weight and never
         forms the logits (parallel/loss.py). It runs inside forward, so that wrappers that gather
-        parameters around forward and backward (FSDP2) see the head weight used there."""
+        parameters around forward and backward (FSDP2) see the head weight used there.
+        `positions`: int64 [S] or [B, S], the absolute position of each local token (default
+        start + arange(S)); RoPE's cos/sin are read there (context parallelism's chunks)."""
         last_chunk = chunk is None or chunk == self.num_chunks - 1
         start = 0 if cache is None else cache.length
         if self.embed is not None and not chunk:
@@ -300,7 +303,12 @@ class Transformer(nn.Module):
                  and self.chunk_slices is None)
         if alone:
             balance = MicroBalance()
-        cos, sin = self.rope_cos[start:end], self.rope_sin[start:end]
+        if positions is None:
+            cos, sin = self.rope_cos[start:end], self.rope_sin[start:end]
+        else:     # [S, Hd], or [B, 1, S, Hd] to broadcast over heads
+            cos, sin = self.rope_cos[positions], self.rope_sin[positions]
+            if positions.dim() == 2:
+                cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
         blocks = self.layers if chunk is None else self.layers[self.chunk_slices[chunk]]
         moe_outputs = []
         for i, block in enumerate(blocks):
