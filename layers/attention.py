@@ -7,6 +7,7 @@ Hd head dim.
 from torch import nn
 
 from .cache import LayerCache, causal_attention
+from .context import LOCAL
 from .rope import RMSNorm, apply_rotary
 
 __all__ = ["Attention"]
@@ -17,7 +18,12 @@ class Attention(nn.Module):
 
     q, k and v come from one fused projection `qkv_proj` (rows [q of H heads; k of G heads; v of
     G heads]): one GEMM reads the input once, and backward runs one input-gradient and one
-    weight-gradient GEMM instead of three each. q, k, v are views of its output."""
+    weight-gradient GEMM instead of three each. q, k, v are views of its output.
+
+    `context` gathers keys and values over the sequence and runs the causal attention (layers/
+    context.py; context parallelism swaps it at build time, parallel/context.py)."""
+
+    context = LOCAL
 
     def __init__(self, cfg, out_init_std: float):
         """`cfg`: a ModelConfig (layers/model.py)."""
@@ -58,9 +64,11 @@ class Attention(nn.Module):
         q_BHSd = apply_rotary(q_BSHd.transpose(1, 2), cos_SHd, sin_SHd)
         k_BGSd = apply_rotary(k_BSGd.transpose(1, 2), cos_SHd, sin_SHd)
         v_BGSd = v.unflatten(-1, (-1, self.head_dim)).transpose(1, 2)
-        start = 0
         if cache is not None:   # attend over the cached positions too: k, v [B, G, L, Hd]
             start = cache.length
             k_BGSd, v_BGSd = cache.extend(2, k_BGSd, v_BGSd)
-        o_BHSd = causal_attention(q_BHSd, k_BGSd, v_BGSd, start)
+            o_BHSd = causal_attention(q_BHSd, k_BGSd, v_BGSd, start)
+        else:
+            k_BGSd, v_BGSd = self.context.gather(2, k_BGSd, v_BGSd)
+            o_BHSd = self.context.attention(q_BHSd, k_BGSd, v_BGSd)
         return self.o_proj(o_BHSd.transpose(1, 2).reshape(batch, seq, -1))
