@@ -47,7 +47,7 @@ def build_dims(cfg: RunConfig, world_size: int) -> ParallelDims:
     p = cfg.parallel
     node = p.gpus_per_node or int(os.environ.get("LOCAL_WORLD_SIZE", 0))
     dims = ParallelDims.resolve(world_size, p.pp, p.dp, p.tp, p.ep, cfg.model.num_experts,
-                                gpus_per_node=node if node < world_size else 0)
+                                gpus_per_node=node if node < world_size else 0, cp=p.cp)
     t = cfg.train
     if t.global_batch_size % (t.micro_batch_size * dims.dp):
         raise ValueError(f"train.global_batch_size={t.global_batch_size} must be a multiple of "

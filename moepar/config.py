@@ -20,6 +20,7 @@ from moepar.layers.model import ModelConfig
 from moepar.layers.router import RouterConfig, check_number
 from moepar.parallel.checkpointing import RECOMPUTE
 from moepar.parallel.compile import COMPILE_BACKENDS
+from moepar.parallel.context import check_cp
 from moepar.parallel.expert import DISPATCHERS
 from moepar.parallel.pipeline import split_layers
 from moepar.parallel.schedules import SCHEDULES
@@ -50,11 +51,13 @@ def check_at_most(section: str, obj, limits: dict):
 
 @dataclass
 class ParallelConfig:
-    """Degrees of each parallelism; pp * dp * tp is the world size, experts fold over dp * tp."""
-    dp: int = 0                  # 0: the rest of the world, world_size / (pp * tp)
+    """Degrees of each parallelism; pp * dp * cp * tp is the world size, experts fold over
+    dp * cp * tp."""
+    dp: int = 0                  # 0: the rest of the world, world_size / (pp * cp * tp)
     tp: int = 1
     pp: int = 1
     ep: int = 1
+    cp: int = 1                  # context parallel: ranks sharing each sequence (2*cp chunks, load-balanced)
     zero: int = 0                # 0 DDP; ZeRO 1 (optimizer state), 2 (+ gradients), 3 (+ parameters)
     dispatcher: str = "alltoall"  # under ep > 1: alltoall, dedup (a token once per EP rank), allgather
     debug_splits: bool = False   # check all-to-all split sizes across ranks (raises, never hangs)
@@ -71,7 +74,7 @@ class ParallelConfig:
     def __post_init__(self):
         if self.dp < 0:
             raise ValueError(f"parallel.dp={self.dp} must be >= 1, or 0 for the rest of the world")
-        for name in ("tp", "pp", "ep"):
+        for name in ("tp", "pp", "ep", "cp"):
             if getattr(self, name) < 1:
                 raise ValueError(f"parallel.{name}={getattr(self, name)} must be >= 1")
         if self.zero not in (0, 1, 2, 3):
@@ -103,7 +106,7 @@ class ParallelConfig:
         if self.backend not in ("auto", "gloo", "nccl"):
             raise ValueError(f"parallel.backend={self.backend!r} is not one of 'auto', 'gloo', 'nccl'")
         # timeout_s: a datetime.timedelta overflows past ~10^14 s; 30 days is already no timeout
-        check_at_most("parallel", self, {"dp": 1 << 20, "tp": 1 << 16, "pp": 1 << 12, "ep": 1 << 16,
+        check_at_most("parallel", self, {"dp": 1 << 20, "tp": 1 << 16, "pp": 1 << 12, "ep": 1 << 16, "cp": 1 << 12,
                                          "a2a_chunks": 1 << 12, "pp_virtual": 1 << 12,
                                          "bucket_mb": 1 << 20, "timeout_s": 30 * 86400,
                                          "gpus_per_node": 1 << 12})
@@ -321,6 +324,7 @@ class RunConfig:
                 raise ValueError(f"router.type={self.router.type!r} with parallel.tp={p.tp} is not "
                                  "supported (each expert would need every slice's scores); use "
                                  "router.type='topk'")
+        check_cp(p.cp, p.tp, self.train.seq_len, self.router.type, self.train.compile)
         if p.pp == 1 and p.pp_virtual > 1:
             raise ValueError(f"parallel.pp_virtual={p.pp_virtual} needs parallel.pp > 1")
         if self.train.seq_len > self.model.max_seq_len:
