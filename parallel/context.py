@@ -92,6 +92,7 @@ class ContextParallel:
         # Gathered chunk k (rank k // 2, its first or second) -> canonical chunk index.
         held = [j for r in range(cp) for j in chunk_ids(cp, r)]
         self.gathered_of = [held.index(j) for j in range(2 * cp)]
+        self._masks = {}
 
     def gather(self, seq_dims, *tensors):
         """The whole sequence of each tensor along its seq dim (an int for all, or one each), in
@@ -110,6 +111,18 @@ class ContextParallel:
             out.append(part.reshape((self.cp * local,) + r.shape[1:]).movedim(0, d))
         return out
 
+    def _mask(self, j: int, c: int, like: torch.Tensor):
+        """Chunk j's additive causal mask [c, (j+1)c] (0 or -inf, in the queries' dtype), made
+        once and shared by every layer: SDPA's CPU kernel keeps the mask it is given for backward
+        (a boolean one it first converts, per call), so one shared tensor is the least it holds."""
+        key = (j, c, like.dtype, like.device)
+        if key not in self._masks:
+            visible_TL = causal_mask_TL(j * c, c, like.device)
+            self._masks[key] = None if visible_TL is None else torch.zeros(
+                visible_TL.shape, dtype=like.dtype, device=like.device).masked_fill_(
+                ~visible_TL, float("-inf"))
+        return self._masks[key]
+
     def attention(self, q_BHSd, k_BGSd, v_BGSd, scale: float | None = None):
         """Each local chunk's queries over the keys up to its end (chunk j: (j+1)*c keys, causal
         within its own block): exact, and the same work on every rank."""
@@ -118,7 +131,7 @@ class ContextParallel:
         outs = []
         for half, j in enumerate(chunk_ids(self.cp, self.cp_rank)):
             keys = (j + 1) * c
-            mask_TL = causal_mask_TL(j * c, c, q_BHSd.device)
+            mask_TL = self._mask(j, c, q_BHSd)
             outs.append(F.scaled_dot_product_attention(
                 q_BHSd.narrow(2, half * c, c), k_BGSd.narrow(2, 0, keys),
                 v_BGSd.narrow(2, 0, keys), attn_mask=mask_TL, scale=scale, enable_gqa=gqa))
