@@ -4,6 +4,7 @@ plan that fits, with cp 16 (the search, `moepar plan --seq-len 131072`, finds it
 
 import pathlib
 
+from moepar.bench.simulate import simulate
 from moepar.build import build_dims
 from moepar.config import load_config
 from moepar.dryrun import activations
@@ -46,3 +47,18 @@ def test_deepseek_v3_at_131072_positions_fits_on_2048_h100_with_cp():
     plan = evaluate(req, layout)
     assert plan.fits, plan.reason
     assert plan.time["cp"] > 0       # the key all-gathers are costed
+
+
+def test_simulate_builds_cp_ranks_and_their_activations_fall():
+    """`bench memory --simulate` runs apply_cp on a fake world: cp ranks hold every dense
+    parameter (only the sequences are split) and the activation estimate halves, about."""
+    results = []
+    for cp in (1, 2):
+        cfg = load_config(str(EXAMPLES / "tiny.toml"), [
+            f"--parallel.cp={cp}", "--parallel.dp=0", "--train.micro_batch_size=1",
+            f"--train.global_batch_size={2 // cp}"])
+        results.append(simulate(cfg, 2, [1]))
+    one, two = results
+    assert two["ranks"][0]["cp"] == 1 and one["ranks"][0]["cp"] == 0
+    assert two["ranks"][0]["params"] == one["ranks"][0]["params"]
+    assert 0.5 < two["activations"]["total"] / one["activations"]["total"] < 0.6
