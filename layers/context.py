@@ -17,9 +17,10 @@ class LocalContext:
         here, the tensors themselves."""
         return list(tensors)
 
-    def attention(self, q_BHSd, k_BGSd, v_BGSd, scale: float | None = None):
-        """Causal SDPA of the local queries over the gathered keys and values."""
-        return causal_attention(q_BHSd, k_BGSd, v_BGSd, 0, scale)
+    def attention(self, q_BHSd, k_BGSd, v_BGSd, scale: float | None = None, mask_B1SL=None):
+        """Causal SDPA of the local queries over the gathered keys and values (`mask_B1SL`, packed
+        documents: who sees whom, in place of causal)."""
+        return causal_attention(q_BHSd, k_BGSd, v_BGSd, 0, scale, mask_B1TL=mask_B1SL)
 
 
 LOCAL = LocalContext()

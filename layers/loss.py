@@ -138,14 +138,17 @@ def linear_cross_entropy_tokens(h_TD, w_VlD, targets_T, *, vocab_start: int = 0,
                                      _compute_dtype(h_TD, w_VlD), combine)
 
 
-def linear_cross_entropy(h, w_VD, targets, reduction: str = "mean", chunk: int | None = None):
+def linear_cross_entropy(h, w_VD, targets, reduction: str = "mean", chunk: int | None = None,
+                         ignore_index: int = -100):
     """F.cross_entropy(F.linear(h, w_VD), targets) in float32 or wider, without [tokens, V]
     logits: h [..., D] (after the final norm), targets [...]; `reduction` "mean", "sum" or
-    "none"."""
+    "none". Targets equal to `ignore_index` count for nothing (0 in "none"; "mean" divides by
+    the counted tokens), as in F.cross_entropy."""
     if reduction not in ("mean", "sum", "none"):
         raise ValueError(f"reduction={reduction!r} is not one of 'mean', 'sum', 'none'")
+    counted = targets.reshape(-1) != ignore_index
     loss_T = linear_cross_entropy_tokens(h.reshape(-1, h.shape[-1]), w_VD, targets.reshape(-1),
-                                         chunk=chunk)
+                                         chunk=chunk).where(counted, 0.0)
     if reduction == "mean":
-        return loss_T.mean()
+        return loss_T.sum() / counted.sum()
     return loss_T.sum() if reduction == "sum" else loss_T.view(targets.shape)

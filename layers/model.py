@@ -19,6 +19,7 @@ from torch import nn
 from .attention import Attention
 from .balance import BalanceStep, MicroBalance
 from .cache import KVCache, LayerCache
+from .documents import Documents, build_documents
 from .experts import ACTIVATIONS, FeedForward
 from .init import init_weights
 from .mla import MLA
@@ -191,15 +192,19 @@ class Block(nn.Module):
             self.ffn = FeedForward(cfg.dim, cfg.ffn_dim, cfg.activation, cfg.init_std, out_std)
 
     def forward(self, x_BSD, cos_SHd, sin_SHd, balance: MicroBalance | None = None,
-                cache: LayerCache | None = None):
+                cache: LayerCache | None = None, docs: Documents | None = None):
         """Returns (x_BSD, moe_output or None). `balance`: the micro-batch's holder of a deferred
-        balance loss (layers/balance.py); positional, as activation recompute passes it."""
-        # Only decoding passes a cache (parallel/tensor.py's sequence-parallel attention takes none).
+        balance loss (layers/balance.py); positional, as activation recompute passes it.
+        `docs`: packed documents (layers/documents.py): attention mask, padding, documents."""
+        # Only decoding passes a cache (parallel/tensor.py's sequence-parallel attention takes
+        # none), only packed documents a mask; positional, as attention recompute passes them.
         extra = () if cache is None else (cache,)
+        if docs is not None:
+            extra = (cache, docs.mask_B1SS)
         h_BSD = x_BSD + self.attn(self.attn_norm(x_BSD), cos_SHd, sin_SHd, *extra)
         if self.is_moe:
             slot = None if balance is None else balance.slot(self.layer_id)
-            moe_out = self.ffn(self.ffn_norm(h_BSD), slot)
+            moe_out = self.ffn(self.ffn_norm(h_BSD), slot, *(() if docs is None else (docs,)))
             return h_BSD + moe_out.y, moe_out
         return h_BSD + self.ffn(self.ffn_norm(h_BSD)), None
 
@@ -276,7 +281,7 @@ class Transformer(nn.Module):
 
     def forward(self, x, balance: MicroBalance | None = None, *, cache: KVCache | None = None,
                 logits_to_keep: int = 0, chunk: int | None = None, head_fn=None,
-                positions: torch.Tensor | None = None):
+                positions=None, documents=None):
         """`x`: token ids [B, S], or the hidden states [B, S, D] a previous pipeline stage sent
         (this model holds no embedding, or runs a chunk after its first). Returns (logits, or the
         hidden states when this model or chunk does not end the model; the MoE outputs).
@@ -289,8 +294,12 @@ class Transformer(nn.Module):
         logits: the training loss reads the final norm's output and the head weight and never
         forms the logits (parallel/loss.py). It runs inside forward, so that wrappers that gather
         parameters around forward and backward (FSDP2) see the head weight used there.
-        `positions`: int64 [S] or [B, S], the absolute position of each local token (default
-        start + arange(S)); RoPE's cos/sin are read there (context parallelism's chunks)."""
+        `positions`: int64 [S] or [B, S], each token's RoPE position (inside its document or
+        sequence; default start + arange(S)), each below model.max_seq_len. `documents`: int64
+        [B, S] document numbers of packed rows, -1 for padding (layers/documents.py): attention
+        stays within documents, positions restart at each (unless given), and the routers count
+        real tokens only, the sequence balance loss per document; after a non-empty cache,
+        [B, cached + S]: the cached positions' numbers too (decoding padded prompts)."""
         last_chunk = chunk is None or chunk == self.num_chunks - 1
         start = 0 if cache is None else cache.length
         if self.embed is not None and not chunk:
@@ -303,16 +312,21 @@ class Transformer(nn.Module):
                  and self.chunk_slices is None)
         if alone:
             balance = MicroBalance()
+        docs = None
+        if documents is not None:   # (after a cache: its positions' numbers, then the new ones)
+            docs = build_documents(documents, start)
+            positions = docs.positions_BS if positions is None else positions
         if positions is None:
             cos, sin = self.rope_cos[start:end], self.rope_sin[start:end]
-        else:     # [S, Hd], or [B, 1, S, Hd] to broadcast over heads
+        else:   # a gather of the tables' rows; per row: [B, 1, S, Hd], broadcast over heads
             cos, sin = self.rope_cos[positions], self.rope_sin[positions]
             if positions.dim() == 2:
                 cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
         blocks = self.layers if chunk is None else self.layers[self.chunk_slices[chunk]]
         moe_outputs = []
         for i, block in enumerate(blocks):
-            x, moe_out = block(x, cos, sin, balance, None if cache is None else cache.layers[i])
+            x, moe_out = block(x, cos, sin, balance, None if cache is None else cache.layers[i],
+                               docs)
             if moe_out is not None:
                 moe_outputs.append(moe_out)
         if alone:

@@ -48,7 +48,7 @@ __all__ = ["check_cp", "chunk_ids", "local_positions", "take_local", "ContextPar
 
 
 def check_cp(cp: int, tp: int, seq_len: int | None, router_type: str = "topk",
-             compile: bool = False):
+             compile: bool = False, pack: str = "", qk_clip: float = 0.0):
     """Raises ValueError naming the fields when a run cannot split its sequences over cp (pure)."""
     if cp < 1:
         raise ValueError(f"parallel.cp={cp} must be >= 1")
@@ -61,6 +61,12 @@ def check_cp(cp: int, tp: int, seq_len: int | None, router_type: str = "topk",
     if router_type != "topk":
         raise ValueError(f"router.type={router_type!r} with parallel.cp={cp} is not supported "
                          "(each expert would need every rank's scores); use router.type='topk'")
+    if pack and pack != "none":
+        raise ValueError(f"data.pack={pack!r} with parallel.cp={cp} is not supported (document "
+                         "masks are not split over cp yet); leave data.pack unset")
+    if qk_clip > 0:
+        raise ValueError(f"train.qk_clip={qk_clip} with parallel.cp={cp} is not supported (the "
+                         "tracked logits would see the gathered keys without the causal mask)")
     if compile:
         raise ValueError(f"train.compile=true with parallel.cp={cp} is not supported (attention "
                          "gathers keys over cp inside the compiled region); set train.compile=false")
@@ -123,9 +129,12 @@ class ContextParallel:
                 ~visible_TL, float("-inf"))
         return self._masks[key]
 
-    def attention(self, q_BHSd, k_BGSd, v_BGSd, scale: float | None = None):
+    def attention(self, q_BHSd, k_BGSd, v_BGSd, scale: float | None = None, mask_B1SL=None):
         """Each local chunk's queries over the keys up to its end (chunk j: (j+1)*c keys, causal
-        within its own block): exact, and the same work on every rank."""
+        within its own block): exact, and the same work on every rank. Document masks are not
+        split over cp (the config refuses data.pack with parallel.cp > 1)."""
+        if mask_B1SL is not None:
+            raise ValueError("packed documents (data.pack) with parallel.cp > 1 are not supported")
         c = q_BHSd.shape[2] // 2
         gqa = k_BGSd.shape[1] != q_BHSd.shape[1]
         outs = []

@@ -34,9 +34,12 @@ class LocalRunner:
         model.set_aux_loss_scale(1.0 / num_micro)
 
     def run(self, inputs: list, targets: list, before_action=None, after_action=None,
-            forward_only: bool = False, limit: int | None = None):
+            forward_only: bool = False, limit: int | None = None, documents: list | None = None,
+            weights: list[float] | None = None):
         """The step's micro-batches (or the first `limit`); returns (loss sum, per micro-batch
-        the MoE outputs' statistics). `forward_only`: no autograd, no backward (evaluation)."""
+        the MoE outputs' statistics). `forward_only`: no autograd, no backward (evaluation).
+        Packed documents (data.pack): `documents` [B, S] per micro-batch (the model's), and
+        `weights`, each micro-batch's loss multiplier (its share of the counted tokens)."""
         device = next(self.model.parameters()).device
         loss_sum = torch.zeros((), dtype=torch.float64, device=device)
         outputs, self.balance_values = [], []
@@ -45,10 +48,15 @@ class LocalRunner:
             inputs_BS = inputs[n].to(device, non_blocking=True)
             targets_BS = targets[n].to(device, non_blocking=True)
             holder = None if step is None else MicroBalance()
+            packed = {} if documents is None else {
+                "documents": documents[n].to(device, non_blocking=True)}
             with self.autocast(), torch.no_grad() if forward_only else contextlib.nullcontext():
                 # The loss in place of the head: from the final hidden states and head weight.
                 loss, moe_outputs = self.model(
-                    inputs_BS, holder, head_fn=lambda h, w: self.loss_fn(h, w, targets_BS))
+                    inputs_BS, holder, head_fn=lambda h, w: self.loss_fn(h, w, targets_BS),
+                    **packed)
+            if weights is not None:
+                loss = loss * weights[n]
             if forward_only:
                 loss_sum += loss
                 continue

@@ -155,7 +155,8 @@ class PipelineRunner:
                                "must get micro-batches of the same shape")
 
     def run(self, inputs: list, targets: list, before_action=None, after_action=None,
-            forward_only: bool = False):
+            forward_only: bool = False, documents: list | None = None,
+            weights: list[float] | None = None):
         """One step. Every rank passes the step's micro-batches (`inputs` tokens_BS, `targets`
         tokens_BS, num_micro each, the same on all pp ranks): the first stage reads the inputs,
         the last the targets, the others only their shapes. `before_action(action)` is called
@@ -163,9 +164,11 @@ class PipelineRunner:
         `after_action(action)` after it, once the time step's point-to-point traffic is posted
         (so a data-parallel reduction never delays the activations or gradients a neighbour
         waits for). `forward_only`: forwards without autograd (evaluation), no backward.
+        Packed documents (data.pack): `documents` per micro-batch, read by every stage (each
+        builds its masks and positions), and `weights`, the last stage's loss multipliers.
 
-        Returns (loss_sum, moe_outputs): the sum of the micro-batches' (unweighted) losses as a
-        detached float64 scalar, zero except on the last stage (sum it over pp to have it
+        Returns (loss_sum, moe_outputs): the sum of the micro-batches' losses (times `weights`)
+        as a detached float64 scalar, zero except on the last stage (sum it over pp to have it
         everywhere), and per micro-batch the list of this rank's MoEOutputs in layer order (for
         StepStats.add). Gradients accumulate into the stage's parameters.
 
@@ -191,7 +194,8 @@ class PipelineRunner:
         step_bal = None if forward_only else step_balance(self.stage, self.balance_group,
                                                           self.device)
         sizes = self.balance_sizes if step_bal is not None else None
-        self._state = dict(inputs=inputs, targets=targets, acts={}, grads={}, saved={}, moe={},
+        self._state = dict(inputs=inputs, targets=targets, documents=documents, weights=weights,
+                           acts={}, grads={}, saved={}, moe={},
                            loss_sum=loss_sum, forward_only=forward_only, pending={},
                            balance=step_bal, holders={}, sums={}, coef={}, values={})
         self._stamps, alive, self.peak_in_flight = [], 0, 0
@@ -309,9 +313,12 @@ class PipelineRunner:
 
                 def head_fn(h, w):
                     return self.loss_fn(h, w, targets)
-            out, moe_outputs = self.stage(x, holder, chunk=c // self.pp, head_fn=head_fn)
+            packed = {} if state["documents"] is None else {
+                "documents": state["documents"][n].to(self.device, non_blocking=True)}
+            out, moe_outputs = self.stage(x, holder, chunk=c // self.pp, head_fn=head_fn,
+                                          **packed)
             if c == self.num_chunks - 1:
-                loss = out
+                loss = out if state["weights"] is None else out * state["weights"][n]
         # Keep only what statistics need: `y` and the injected loss hold activations and graph.
         state["moe"].setdefault(n, {})[c // self.pp] = [o.statistics() for o in moe_outputs]
         sums = None if holder is None else self._finish_balance(action, holder)

@@ -1,8 +1,11 @@
 """Tiny run configs shared by the tests: a 2-layer, 4-expert model that trains in a second."""
 
+import os
+
 import torch
 
 from moepar.config import load_config
+from moepar.data.prepare import PrepareOptions, prepare
 from moepar.layers import ModelConfig, RouterConfig, Transformer
 
 
@@ -15,6 +18,18 @@ def tiny_config(run_dir, *overrides):
             "--train.warmup_steps=2", "--train.lr=3e-3", "--run.log_every=0",
             "--run.tensorboard=false", f"--run.dir={run_dir}"]
     return load_config(None, base + list(overrides))
+
+
+def packed_folder(tmp, num_docs: int, **options) -> str:
+    """A folder prepared (byte tokenizer; no validation split by default) from `num_docs` documents of
+    9 to 45 bytes, for data.pack tests; `options`: more PrepareOptions fields. Returns its path."""
+    text = "\n\n".join(f"doc {i}: " + "moe " * (i % 10) for i in range(num_docs))
+    (tmp / "docs.txt").write_text(text)
+    out = str(tmp / "docs")
+    options.setdefault("val_fraction", 0.0)
+    prepare(PrepareOptions("bytes", [str(tmp / "docs.txt")], out, split_blank_lines=True,
+                           **options), stderr=open(os.devnull, "w"))
+    return out
 
 
 def tiny_model(**overrides):

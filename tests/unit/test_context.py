@@ -64,6 +64,7 @@ def test_dims_fold_cp_between_dp_and_tp():
      r"router.type='expert_choice' with "
                                                          r"parallel.cp=2"),
     (["--parallel.cp=2", "--train.compile=true"], r"train.compile=true with parallel.cp=2"),
+    (["--parallel.cp=2", "--train.qk_clip=100"], r"train.qk_clip=100.0 with parallel.cp=2"),
 ])
 def test_config_refuses_what_cp_cannot_split(tmp_path, overrides, message):
     with pytest.raises(ValueError, match=message):
