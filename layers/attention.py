@@ -7,6 +7,7 @@ Hd head dim.
 from torch import nn
 
 from .cache import LayerCache, causal_attention
+from .context import LOCAL
 from .logits import track_max_logits
 from .rope import RMSNorm, apply_rotary
 
@@ -18,7 +19,12 @@ class Attention(nn.Module):
 
     q, k and v come from one fused projection `qkv_proj` (rows [q of H heads; k of G heads; v of
     G heads]): one GEMM reads the input once, and backward runs one input-gradient and one
-    weight-gradient GEMM instead of three each. q, k, v are views of its output."""
+    weight-gradient GEMM instead of three each. q, k, v are views of its output.
+
+    `context` gathers keys and values over the sequence and runs the causal attention (layers/
+    context.py; context parallelism swaps it at build time, parallel/context.py)."""
+
+    context = LOCAL
 
     def __init__(self, cfg, out_init_std: float):
         """`cfg`: a ModelConfig (layers/model.py)."""
@@ -65,7 +71,12 @@ class Attention(nn.Module):
         if cache is not None:   # attend over the cached positions too: k, v [B, G, L, Hd]
             start = cache.length
             k_BGSd, v_BGSd = cache.extend(2, k_BGSd, v_BGSd)
+        else:
+            k_BGSd, v_BGSd = self.context.gather(2, k_BGSd, v_BGSd)
         if start == 0:
             track_max_logits(self, q_BHSd, k_BGSd, mask_B1SS=mask)
-        o_BHSd = causal_attention(q_BHSd, k_BGSd, v_BGSd, start, mask_B1TL=mask)
+        if cache is not None:
+            o_BHSd = causal_attention(q_BHSd, k_BGSd, v_BGSd, start, mask_B1TL=mask)
+        else:
+            o_BHSd = self.context.attention(q_BHSd, k_BGSd, v_BGSd, mask_B1SL=mask)
         return self.o_proj(o_BHSd.transpose(1, 2).reshape(batch, seq, -1))

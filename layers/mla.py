@@ -19,10 +19,10 @@ interleaved pairs; converting them is a fixed permutation of those weight rows
 """
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from .cache import LayerCache, causal_mask_TL
+from .context import LOCAL
 from .logits import track_max_logits
 from .rope import RMSNorm, apply_rotary
 
@@ -30,6 +30,12 @@ __all__ = ["MLA"]
 
 
 class MLA(nn.Module):
+    """`context` gathers the kv latent and rotated key part over the sequence (context
+    parallelism sends those C + R numbers per position, not the expanded keys and values) and
+    runs the causal attention (layers/context.py, parallel/context.py)."""
+
+    context = LOCAL
+
     def __init__(self, cfg, out_init_std: float):
         super().__init__()
         self.num_heads = cfg.num_heads
@@ -74,13 +80,15 @@ class MLA(nn.Module):
             if start > 0:
                 o_BHSV = self._latent_attention(q_nope, q_rot, kv_BLC, k_rot_BLR, start, mask)
                 return self.o_proj(o_BHSV.transpose(1, 2).reshape(batch, seq, -1))
-        kv_BHSx = self.kv_b_proj(kv_BSC).view(batch, seq, self.num_heads, -1).transpose(1, 2)
+        else:
+            kv_BSC, k_rot_B1SR = self.context.gather((1, 2), kv_BSC, k_rot_B1SR)
+        keys = kv_BSC.shape[1]    # S, or the whole sequence under context parallelism
+        kv_BHSx = self.kv_b_proj(kv_BSC).view(batch, keys, self.num_heads, -1).transpose(1, 2)
         k_nope, v_BHSV = kv_BHSx.split([self.nope, self.v_dim], dim=-1)
         q_BHSq = torch.cat([q_nope, q_rot], dim=-1)
         k_BHSq = torch.cat([k_nope, k_rot_B1SR.expand(-1, self.num_heads, -1, -1)], dim=-1)
         track_max_logits(self, q_BHSq, k_BHSq, self.softmax_scale, mask_B1SS=mask)
-        o_BHSV = F.scaled_dot_product_attention(q_BHSq, k_BHSq, v_BHSV, attn_mask=mask,
-                                               is_causal=mask is None, scale=self.softmax_scale)
+        o_BHSV = self.context.attention(q_BHSq, k_BHSq, v_BHSV, self.softmax_scale, mask)
         return self.o_proj(o_BHSV.transpose(1, 2).reshape(batch, seq, -1))
 
     def _latent_attention(self, q_nope_BHSN, q_rot_BHSR, kv_BLC, k_rot_BLR, start: int,

@@ -66,7 +66,7 @@ def build_dims(cfg: RunConfig, world_size: int) -> ParallelDims:
     """The layout for this world, validated against the batch sizes; raises before any collective."""
     p = cfg.parallel
     dims = ParallelDims.resolve(world_size, p.pp, p.dp, p.tp, p.ep, cfg.model.num_experts,
-                                gpus_per_node=_ranks_per_node(cfg, world_size))
+                                gpus_per_node=_ranks_per_node(cfg, world_size), cp=p.cp)
     if p.dispatcher == "hierarchical":     # the nodes the launcher gave, before any collective
         node_layout(dims.ep, dims.gpus_per_node, cfg.model.num_experts, cfg.router.n_group)
     build_expert_maps(cfg, dims.ep)    # a bad placement file or load raises here, on every rank

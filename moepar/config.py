@@ -20,6 +20,7 @@ from moepar.layers.model import ModelConfig
 from moepar.layers.router import RouterConfig, check_number
 from moepar.parallel.checkpointing import RECOMPUTE
 from moepar.parallel.compile import COMPILE_BACKENDS
+from moepar.parallel.context import check_cp
 from moepar.parallel.expert import DISPATCHERS
 from moepar.parallel.hierarchical import node_layout
 from moepar.parallel.pipeline import split_layers
@@ -52,11 +53,13 @@ def check_at_most(section: str, obj, limits: dict):
 
 @dataclass
 class ParallelConfig:
-    """Degrees of each parallelism; pp * dp * tp is the world size, experts fold over dp * tp."""
-    dp: int = 0                  # 0: the rest of the world, world_size / (pp * tp)
+    """Degrees of each parallelism; pp * dp * cp * tp is the world size, experts fold over
+    dp * cp * tp."""
+    dp: int = 0                  # 0: the rest of the world, world_size / (pp * cp * tp)
     tp: int = 1
     pp: int = 1
     ep: int = 1
+    cp: int = 1                  # context parallel: ranks sharing each sequence (2*cp chunks, load-balanced)
     zero: int = 0                # 0 DDP; ZeRO 1 (optimizer state), 2 (+ gradients), 3 (+ parameters)
     dispatcher: str = "alltoall"  # ep > 1: alltoall, dedup (once per EP rank), allgather, hierarchical (once per node)
     debug_splits: bool = False   # check all-to-all split sizes across ranks (raises, never hangs)
@@ -78,7 +81,7 @@ class ParallelConfig:
     def __post_init__(self):
         if self.dp < 0:
             raise ValueError(f"parallel.dp={self.dp} must be >= 1, or 0 for the rest of the world")
-        for name in ("tp", "pp", "ep"):
+        for name in ("tp", "pp", "ep", "cp"):
             if getattr(self, name) < 1:
                 raise ValueError(f"parallel.{name}={getattr(self, name)} must be >= 1")
         if self.zero not in (0, 1, 2, 3):
@@ -111,7 +114,7 @@ class ParallelConfig:
         if self.backend not in ("auto", "gloo", "nccl"):
             raise ValueError(f"parallel.backend={self.backend!r} is not one of 'auto', 'gloo', 'nccl'")
         # timeout_s: a datetime.timedelta overflows past ~10^14 s; 30 days is already no timeout
-        check_at_most("parallel", self, {"dp": 1 << 20, "tp": 1 << 16, "pp": 1 << 12, "ep": 1 << 16,
+        check_at_most("parallel", self, {"dp": 1 << 20, "tp": 1 << 16, "pp": 1 << 12, "ep": 1 << 16, "cp": 1 << 12,
                                          "a2a_chunks": 1 << 12, "pp_virtual": 1 << 12,
                                          "bucket_mb": 1 << 20, "timeout_s": 30 * 86400,
                                          "gpus_per_node": 1 << 12, "expert_replicas": 1 << 12,
@@ -400,6 +403,16 @@ class RunConfig:
             raise ValueError(f"model.mtp_layers={self.model.mtp_layers} must be < train.seq_len="
                              f"{self.train.seq_len} (depth k predicts k+1 tokens ahead)")
         check_routing_replay(self)
+        check_cp(p.cp, p.tp, self.train.seq_len, self.router.type, self.train.compile,
+                 self.data.pack, self.train.qk_clip)
+        if p.cp > 1 and (self.model.mtp_layers or self.train.record_routing or
+                         self.train.router_replay):
+            raise ValueError(f"parallel.cp={p.cp} with model.mtp_layers={self.model.mtp_layers}, "
+                             f"train.record_routing={self.train.record_routing!r}, "
+                             f"train.router_replay={self.train.router_replay!r}: each cp rank "
+                             "holds two chunks of a sequence, and MTP's shifted targets and the "
+                             "recorded positions need whole sequences; use parallel.cp=1 or "
+                             "turn them off")
         if p.dispatcher == "hierarchical" and p.gpus_per_node:   # (0: the launcher's, build_dims)
             node_layout(p.ep, p.gpus_per_node, self.model.num_experts, self.router.n_group)
         if p.pp == 1 and p.pp_virtual > 1:

@@ -16,6 +16,8 @@ import dataclasses
 from moepar.build import COMPUTE_DTYPES, PARAM_DTYPES, build_dims
 from moepar.config import to_toml
 from moepar.layers.shapes import param_count, tensor_shapes
+from moepar.plan.activations import ActSpec, rows_per_rank
+from moepar.plan.footprint import rank_footprint
 from moepar.plan.memory import moment_bytes, rank_memory
 from moepar.progress import count_text
 
@@ -63,6 +65,21 @@ def dry_run(cfg, nproc: int, nodes=None) -> dict:
             "memory_world": dims.world_size, "kinds": rank_kinds(cfg, dims)}
 
 
+def activations(cfg, dims) -> dict:
+    """`moepar plan`'s activation estimate for rank 0 on GPUs (dropless at an imbalance of 1.5):
+    {'positions': per sequence on a rank, 'saved' (kept for backward by one micro-batch's
+    layers), 'total' (what is alive at the peak, every micro-batch in flight), bytes}."""
+    t, p, model = cfg.train, cfg.parallel, cfg.model
+    rows = rows_per_rank(dims.ep, model.top_k, cfg.router.capacity_factor, 1.5)
+    spec = ActSpec(t.micro_batch_size, t.seq_len, dims.tp, dims.ep, t.dtype, p.zero, t.recompute,
+                   rows, fp32_residual=t.fp32_residual, cp=dims.cp)
+    num_micro = t.global_batch_size // (t.micro_batch_size * dims.dp)
+    out = rank_footprint(cfg, dims, 0, spec, num_micro=num_micro, schedule=p.pp_schedule,
+                         virtual=p.pp_virtual, pp_layers=p.pp_layers or None)
+    return {"positions": t.seq_len // dims.cp, "in_flight": out["in_flight"],
+            "total": out["activations"] + out["recompute"]}
+
+
 def _ranks(ranks: list[int]) -> str:
     """'0-15' for a contiguous run, else the first few and a count."""
     if ranks == list(range(ranks[0], ranks[-1] + 1)):
@@ -107,4 +124,9 @@ def dry_run_text(cfg, nproc: int, nodes=None) -> str:
                    f"{m['grads'] / GIB:.2f}, optimizer {m['optimizer'] / GIB:.2f}, total "
                    f"{total / GIB:.2f}; holds {m['dense_params'] + m['expert_params']:,} "
                    f"parameters (dense {m['dense_params']:,}, experts {m['expert_params']:,})")
+    act = activations(cfg, build_dims(cfg, r["memory_world"]))
+    out += ["", f"# activations on rank 0 (`moepar plan`'s estimate on GPUs): "
+                f"{act['total'] / GIB:.2f} GiB at the peak, {act['in_flight']} micro-batch(es) of "
+                f"{cfg.train.micro_batch_size} in flight, {act['positions']:,} positions of each "
+                f"sequence per rank (train.seq_len / parallel.cp)"]
     return "\n".join(out)

@@ -1,7 +1,8 @@
 """Everything that knows ranks exist; `parallelize` is the one place that fixes the order.
 
 Order (see shared DESIGN.md), applied to a model built on the meta device:
-expert and tensor parallelism (change shapes) -> activation recompute -> regional compile
+expert and tensor parallelism (change shapes) -> context parallelism (splits sequences) ->
+activation recompute -> regional compile
 (compile.py, when asked) -> pipeline split ->
 ZeRO-3 / FSDP2 (shards parameters) -> materialize this rank's shards on its device and draw their
 initial values -> mixed precision (float32 masters, compute weights in bf16; precision.py) ->
@@ -19,6 +20,7 @@ from moepar.layers.init import canonical_tensors
 
 from .checkpointing import apply_activation_checkpointing, apply_recompute
 from .compile import apply_compile
+from .context import apply_cp, context_parallel_loss
 from .ddp import OverlappedReducer
 from .dims import Layout, ParallelDims
 from .grads import rows_of
@@ -36,7 +38,7 @@ from .tensor import apply_tp
 from .zero import FullyShardedSync, ShardedAdamW, ZeroReducer
 
 __all__ = ["parallelize", "Options", "ParallelOptions", "ParallelModel", "apply_activation_checkpointing",
-           "apply_recompute", "apply_compile", "apply_ep", "ParallelDims", "Layout",
+           "apply_recompute", "apply_compile", "apply_ep", "apply_cp", "ParallelDims", "Layout",
            "data_parallel", "LocalSync"]
 
 
@@ -95,6 +97,8 @@ def parallelize(model, layout: Layout, options: Options) -> ParallelModel:
                  p.a2a_chunks, options.expert_maps)
     if dims.tp > 1:
         apply_tp(model, dims, layout.meshes, options.seq_len)
+    if dims.cp > 1:
+        apply_cp(model, dims, layout.meshes, options.seq_len)
     if options.recompute != "none":
         apply_recompute(model, options.recompute)
     compiled = apply_compile(model, options.compile_backend) if options.compile else None
@@ -121,7 +125,9 @@ def parallelize(model, layout: Layout, options: Options) -> ParallelModel:
                                     options.make_muon)
     runner = None
     if not (on_meta and not options.materialize):    # shapes only (memory simulation): no runner
-        loss_fn = build_loss(layout.group("tp") if dims.tp > 1 else None, options.vocab_size)
+        loss_fn = context_parallel_loss(
+            build_loss(layout.group("tp") if dims.tp > 1 else None, options.vocab_size),
+            dims.cp, layout.coords.cp)
         if dims.pp > 1:
             # Under bfloat16 training hidden states cross stages in bfloat16 (half the bytes).
             runner = PipelineRunner(model, options.num_micro, loss_fn, pp_group=layout.group("pp"),

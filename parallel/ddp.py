@@ -62,7 +62,9 @@ class OverlappedReducer:
 
     def __init__(self, model, meshes, dims, bucket_mb: float = 25.0, reduce_dtype=None,
                  split_decay=False, grad_views: bool = True, masters: Masters | None = None):
+        # Sums over dp_cp, / dp: each cp rank's loss is its positions' share of the mean (context.py).
         self.meshes, self.scale, self.reduce_dtype = meshes, 1.0 / dims.dp, reduce_dtype
+        self.dense_axis = dims.dense_data_axis
         self.masters = masters = masters or Masters(model)
         _, experts = split_parameters(model)
         in_expert = {id(p) for p in experts}
@@ -78,7 +80,7 @@ class OverlappedReducer:
             p = masters.master(q)     # what is reduced and stepped (q itself without masters)
             # split_decay: a bucket holds one weight decay (or one optimizer: a callable's key)
             kind = split_decay(q) if callable(split_decay) else split_decay and p.dim() >= 2
-            p_key = ("edp" if id(q) in in_expert else "dp", kind)
+            p_key = ("edp" if id(q) in in_expert else dims.dense_data_axis, kind)
             nbytes = p.numel() * p.element_size()
             if current and (p_key != key or size + nbytes > limit):
                 close()

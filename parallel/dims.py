@@ -4,12 +4,16 @@ Two decompositions of the same ranks, `pp` outermost in both so pipeline groups 
 
 | layers                                   | mesh axes        | product                          |
 |------------------------------------------|------------------|----------------------------------|
-| dense (attention, embeddings, head, MLP) | (pp, dp, tp)     | world                            |
-| experts                                  | (pp, edp, ep)    | world, with edp = dp * tp / ep   |
+| dense (attention, embeddings, head, MLP) | (pp, dp, cp, tp) | world                            |
+| experts                                  | (pp, edp, ep)    | world, with edp = dp*cp*tp / ep  |
 
-Within one pipeline stage the dp*tp ranks are numbered dp-major (rank = dp_rank * tp + tp_rank)
-and re-read as (edp, ep) with ep innermost, so an EP group is a block of consecutive ranks: it is
-the tp group when ep == tp, and spans dp ranks when ep > tp (Megatron's parallel folding).
+Within one pipeline stage the dp*cp*tp ranks are numbered dp-major (rank = (dp_rank * cp +
+cp_rank) * tp + tp_rank) and re-read as (edp, ep) with ep innermost, so an EP group is a block of
+consecutive ranks: it is the tp group when ep == tp, and spans cp and dp ranks when ep > tp
+(Megatron's parallel folding). Context parallelism (cp, parallel/context.py) adds two groups
+beside the meshes' axes: `dp_cp` (dense gradients, the step's loss and statistics) and `cp_tp`
+(the ranks holding pieces of the same sequences: the routers' token group); at cp = 1 they are
+the dp and tp groups.
 
 `ParallelDims` validates on construction, before any process group exists; `coords` is pure rank
 maths; `build_meshes` makes the two DeviceMeshes (every axis gets a real group, size 1 included).
@@ -21,7 +25,7 @@ the caller never branches on it.
 from dataclasses import dataclass
 
 import torch.distributed as dist
-from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 __all__ = ["ParallelDims", "Coords", "Meshes", "Layout"]
 
@@ -33,6 +37,7 @@ class Coords:
     tp: int
     edp: int
     ep: int
+    cp: int = 0
 
 
 @dataclass(frozen=True)
@@ -44,20 +49,23 @@ class ParallelDims:
     ep: int = 1
     num_experts: int | None = None   # checked against ep when given
     gpus_per_node: int = 0           # processes per node; 0: the whole world is one node
+    cp: int = 1                      # context parallel: ranks sharing each sequence
 
     def __post_init__(self):
-        for name in ("world_size", "pp", "dp", "tp", "ep"):
+        for name in ("world_size", "pp", "dp", "tp", "ep", "cp"):
             if getattr(self, name) < 1:
                 raise ValueError(f"parallel.{name if name != 'world_size' else 'world size'}="
                                  f"{getattr(self, name)} must be >= 1")
-        if self.pp * self.dp * self.tp != self.world_size:
+        if self.pp * self.dp * self.cp * self.tp != self.world_size:
+            cp = f"parallel.cp={self.cp} * " if self.cp > 1 else ""
             raise ValueError(f"world size {self.world_size} != parallel.pp={self.pp} * "
-                             f"parallel.dp={self.dp} * parallel.tp={self.tp} "
-                             f"(= {self.pp * self.dp * self.tp})")
-        if (self.dp * self.tp) % self.ep:
-            raise ValueError(f"parallel.ep={self.ep} must divide parallel.dp * parallel.tp = "
-                             f"{self.dp} * {self.tp} = {self.dp * self.tp} (experts fold over "
-                             "the dense data and tensor ranks of a stage)")
+                             f"parallel.dp={self.dp} * {cp}parallel.tp={self.tp} "
+                             f"(= {self.pp * self.dp * self.cp * self.tp})")
+        if self.stage_size % self.ep:
+            cp = ("parallel.cp * ", f"{self.cp} * ", "context, ") if self.cp > 1 else ("", "", "")
+            raise ValueError(f"parallel.ep={self.ep} must divide parallel.dp * {cp[0]}parallel.tp "
+                             f"= {self.dp} * {cp[1]}{self.tp} = {self.stage_size} (experts fold "
+                             f"over the dense data, {cp[2]}and tensor ranks of a stage)")
         node = self.gpus_per_node
         if node < 0 or (0 < node < self.world_size and self.world_size % node):
             raise ValueError(f"parallel.gpus_per_node={node} must divide the world size "
@@ -68,39 +76,54 @@ class ParallelDims:
 
     @classmethod
     def resolve(cls, world_size: int, pp: int = 1, dp: int = 0, tp: int = 1, ep: int = 1,
-                num_experts: int | None = None, gpus_per_node: int = 0) -> "ParallelDims":
-        """dp=0 means "the rest": world_size / (pp * tp)."""
-        for name, value in (("pp", pp), ("tp", tp)):
+                num_experts: int | None = None, gpus_per_node: int = 0,
+                cp: int = 1) -> "ParallelDims":
+        """dp=0 means "the rest": world_size / (pp * cp * tp)."""
+        for name, value in (("pp", pp), ("tp", tp), ("cp", cp)):
             if value < 1:
                 raise ValueError(f"parallel.{name}={value} must be >= 1")
         if dp == 0:
-            if world_size % (pp * tp):
+            if world_size % (pp * cp * tp):
+                cp_text = f" * parallel.cp={cp}" if cp > 1 else ""
                 raise ValueError(f"world size {world_size} is not divisible by parallel.pp={pp} "
-                                 f"* parallel.tp={tp}, so parallel.dp cannot be derived")
-            dp = world_size // (pp * tp)
-        return cls(world_size, pp, dp, tp, ep, num_experts, gpus_per_node)
+                                 f"* parallel.tp={tp}{cp_text}, so parallel.dp cannot be derived")
+            dp = world_size // (pp * cp * tp)
+        return cls(world_size, pp, dp, tp, ep, num_experts, gpus_per_node, cp)
+
+    @property
+    def stage_size(self) -> int:
+        """Ranks of one pipeline stage: dp * cp * tp."""
+        return self.dp * self.cp * self.tp
+
+    @property
+    def dense_data_axis(self) -> str:
+        """The axis dense gradients are reduced (and ZeRO-sharded) over: every rank holding the
+        same dense shard, dp, times cp (its ranks saw other positions of the same sequences)."""
+        return "dp_cp" if self.cp > 1 else "dp"
 
     @property
     def edp(self) -> int:
-        return self.dp * self.tp // self.ep
+        return self.stage_size // self.ep
 
     def coords(self, rank: int) -> Coords:
         """Pure rank maths: this rank's index on every axis."""
         if not 0 <= rank < self.world_size:
             raise ValueError(f"rank {rank} outside world size {self.world_size}")
-        stage_size = self.dp * self.tp
-        pp_rank, in_stage = divmod(rank, stage_size)
-        dp_rank, tp_rank = divmod(in_stage, self.tp)
+        pp_rank, in_stage = divmod(rank, self.stage_size)
+        dp_rank, in_dp = divmod(in_stage, self.cp * self.tp)
+        cp_rank, tp_rank = divmod(in_dp, self.tp)
         edp_rank, ep_rank = divmod(in_stage, self.ep)
-        return Coords(pp_rank, dp_rank, tp_rank, edp_rank, ep_rank)
+        return Coords(pp_rank, dp_rank, tp_rank, edp_rank, ep_rank, cp_rank)
 
     def group_ranks(self, axis: str, rank: int) -> list[int]:
-        """The ranks sharing every coordinate with `rank` except `axis` (pure maths)."""
+        """The ranks sharing every coordinate with `rank` except `axis` (pure maths); `axis`
+        may also be "dp_cp" or "cp_tp" (those two axes vary)."""
         me = self.coords(rank)
-        dense = axis in ("pp", "dp", "tp")
-        keep = ("pp", "dp", "tp") if dense else ("pp", "edp", "ep")
+        dense = axis in _DENSE_AXES or axis in _FOLDED
+        keep = ("pp", "dp", "cp", "tp") if dense else ("pp", "edp", "ep")
+        free = _FOLDED.get(axis, (axis,))
         return [r for r in range(self.world_size)
-                if all(getattr(self.coords(r), a) == getattr(me, a) for a in keep if a != axis)]
+                if all(getattr(self.coords(r), a) == getattr(me, a) for a in keep if a not in free)]
 
     def build_meshes(self, device_type: str) -> "Meshes":
         """Both DeviceMeshes (needs an initialised default process group).
@@ -110,17 +133,36 @@ class ParallelDims:
         trainers (tests, notebooks) would otherwise pile them up.
         """
         key = (id(dist.distributed_c10d._get_default_group()), dist.get_rank(), device_type,
-               self.pp, self.dp, self.tp, self.ep)
+               self.pp, self.dp, self.tp, self.ep, self.cp)
         if key not in _MESHES:
-            dense = init_device_mesh(device_type, (self.pp, self.dp, self.tp),
-                                     mesh_dim_names=("pp", "dp", "tp"))
+            dense = init_device_mesh(device_type, (self.pp, self.dp, self.cp, self.tp),
+                                     mesh_dim_names=("pp", "dp", "cp", "tp"))
             expert = init_device_mesh(device_type, (self.pp, self.edp, self.ep),
                                       mesh_dim_names=("pp", "edp", "ep"))
-            _MESHES[key] = Meshes(dense, expert)
+            folded = self._folded_groups(device_type) if self.cp > 1 else {}
+            _MESHES[key] = Meshes(dense, expert, folded)
         return _MESHES[key]
 
+    def _folded_groups(self, device_type: str) -> dict:
+        """{"dp_cp": 1-D DeviceMesh, "cp_tp": 1-D DeviceMesh} of this rank, each over a process
+        group that every rank creates for every group of that axis, in the same order (what
+        new_group requires); from_group wraps them for FSDP2, which takes meshes."""
+        me, out = dist.get_rank(), {}
+        for axis in _FOLDED:
+            seen = set()
+            for rank in range(self.world_size):
+                ranks = tuple(self.group_ranks(axis, rank))
+                if ranks in seen:
+                    continue
+                seen.add(ranks)
+                group = dist.new_group(list(ranks))
+                if me in ranks:
+                    out[axis] = DeviceMesh.from_group(group, device_type, mesh_dim_names=(axis,))
+        return out
+
     def describe(self) -> str:
-        return (f"world {self.world_size} = pp {self.pp} x dp {self.dp} x tp {self.tp}; "
+        cp = f" x cp {self.cp}" if self.cp > 1 else ""
+        return (f"world {self.world_size} = pp {self.pp} x dp {self.dp}{cp} x tp {self.tp}; "
                 f"experts: pp {self.pp} x edp {self.edp} x ep {self.ep}")
 
     # ---- nodes ---------------------------------------------------------------------------
@@ -130,8 +172,9 @@ class ParallelDims:
     # multiple of ep; dp, edp and pp span nodes first.
     def _progression(self, axis: str) -> tuple[int, int]:
         """(stride, size) of the groups of `axis` in rank order."""
-        return {"tp": (1, self.tp), "dp": (self.tp, self.dp), "pp": (self.dp * self.tp, self.pp),
-                "ep": (1, self.ep), "edp": (self.ep, self.edp)}[axis]
+        return {"tp": (1, self.tp), "cp": (self.tp, self.cp), "dp": (self.cp * self.tp, self.dp),
+                "pp": (self.stage_size, self.pp), "ep": (1, self.ep),
+                "edp": (self.ep, self.edp)}[axis]
 
     def node_of(self, rank: int) -> int:
         return rank // self.gpus_per_node if self.gpus_per_node else 0
@@ -149,7 +192,7 @@ class ParallelDims:
         node = self.gpus_per_node
         if not node or node >= self.world_size:
             return f"one node of {self.world_size} ranks"
-        axes = [a for a in ("tp", "ep", "dp", "edp", "pp") if self._progression(a)[1] > 1]
+        axes = [a for a in ("tp", "cp", "ep", "dp", "edp", "pp") if self._progression(a)[1] > 1]
         inside = [a for a in axes if not self.spans_nodes(a)]
         across = [a for a in axes if self.spans_nodes(a)]
         return (f"{self.world_size // node} nodes of {node} ranks; inside a node: "
@@ -164,16 +207,26 @@ class ParallelDims:
 
 
 _MESHES: dict[tuple, "Meshes"] = {}
+_DENSE_AXES = ("pp", "dp", "cp", "tp")
+_FOLDED = {"dp_cp": ("dp", "cp"), "cp_tp": ("cp", "tp")}   # two dense axes read as one
 
 
 @dataclass(frozen=True)
 class Meshes:
-    dense: object    # DeviceMesh (pp, dp, tp)
+    dense: object    # DeviceMesh (pp, dp, cp, tp)
     expert: object   # DeviceMesh (pp, edp, ep)
+    folded: dict = None   # {"dp_cp", "cp_tp": 1-D DeviceMesh} under cp > 1; else absent
+
+    def mesh(self, axis: str):
+        """The 1-D DeviceMesh of `axis` (a folded axis at cp = 1 is its one non-trivial axis)."""
+        if axis in _FOLDED:
+            if self.folded:
+                return self.folded[axis]
+            axis = {"dp_cp": "dp", "cp_tp": "tp"}[axis]
+        return (self.dense if axis in _DENSE_AXES else self.expert)[axis]
 
     def group(self, axis: str):
-        mesh = self.dense if axis in ("pp", "dp", "tp") else self.expert
-        return mesh.get_group(axis)
+        return self.mesh(axis).get_group()
 
 
 @dataclass(frozen=True)

@@ -5,7 +5,7 @@ Talks on `dp` (dense gradients, step statistics), `edp` (expert gradients) and `
 
 | parameters                      | reduced over | how                      |
 |---------------------------------|--------------|--------------------------|
-| dense (everything not experts)  | dp           | sum, / dp  (a mean)      |
+| dense (everything not experts)  | dp (x cp)    | sum, / dp  (a mean)      |
 | experts (GroupedExperts)        | edp          | sum, / dp  (see expert.py)|
 
 Which group reduces a parameter is decided by the module that owns it (`GroupedExperts` or
@@ -92,7 +92,7 @@ def reduce_gradients(model, meshes, dims):
     if meshes is None:
         return
     dense, experts = split_parameters(model)
-    for params, axis in ((dense, "dp"), (experts, "edp")):
+    for params, axis in ((dense, dims.dense_data_axis), (experts, "edp")):
         grads = [p.grad for p in params if p.grad is not None]
         all_reduce_sum(grads, meshes.group(axis), 1.0 / dims.dp)
 
@@ -118,7 +118,7 @@ def grad_norm_groups(model, sync, dims, tp_split=None):
             (views(scale_only), None)]
 
 
-_AXIS_ORDER = ("dp", "edp", "ep", "tp", "pp")
+_AXIS_ORDER = ("dp", "dp_cp", "edp", "ep", "tp", "pp")
 
 
 def grad_norm(groups, meshes, device=None) -> torch.Tensor:

@@ -120,7 +120,7 @@ class ParallelModel:
         loss_sum, _ = self.runner.run(inputs, targets, forward_only=True, **packed)
         if self.zero == 3:      # FSDP2 keeps the root's parameters gathered after a forward, for
             self.model.reshard()  # the backward that would follow; none does: shard them again
-        all_reduce_sum([loss_sum], self.layout.group("dp"))
+        all_reduce_sum([loss_sum], self.layout.group(self.layout.dims.dense_data_axis))
         if self.layout.dims.pp > 1:     # the loss lives on the last stage
             all_reduce_sum([loss_sum], self.layout.group("pp"))
         return loss_sum
@@ -131,7 +131,8 @@ class ParallelModel:
         if self.tp_group is not None:   # replicated parameters saw 1/tp of the tokens each
             reduce_sequence_parallel_grads(self.model, self.tp_group, self.sync.grad_view)
         layout = self.layout
-        stats.reduce(layout.group("dp"), extra=[loss_sum],
+        # Over dp_cp under context parallelism: cp ranks hold shares of each loss and load.
+        stats.reduce(layout.group(layout.dims.dense_data_axis), extra=[loss_sum],
                      stage_group=layout.group("pp") if layout.dims.pp > 1 else None,
                      slice_group=self.tp_group)
 

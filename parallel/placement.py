@@ -97,7 +97,7 @@ class Placement:
                 segments = tp_segments(segments, spec, coords.tp)
             elif spec is None and coords.tp != 0:       # whole on every tp rank: the first writes
                 segments = [dataclasses.replace(s, writes=False) for s in segments]
-            writes = fsdp or not data_replicas or coords.dp == 0
+            writes = fsdp or not data_replicas or (coords.dp == 0 and coords.cp == 0)
         if fsdp:
             (placement,) = tensor.placements
             mesh = tensor.device_mesh

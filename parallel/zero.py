@@ -99,7 +99,11 @@ class ZeroReducer(OverlappedReducer):
                 for p in b.params:
                     p.grad = None
 
-    dense_axes, expert_axes = ("dp",), ("edp",)
+    expert_axes = ("edp",)
+
+    @property
+    def dense_axes(self):
+        return (self.dense_axis,)
 
     def grad_view(self, p, rows=None):
         """The part of model parameter p's gradient (of rows [start, stop) of dim 0 when `rows`)
@@ -208,7 +212,7 @@ class FullyShardedSync:
         policy = MixedPrecisionPolicy(param_dtype=compute_dtype, reduce_dtype=reduce_dtype,
                                       cast_forward_inputs=False)
         fp32_policy = MixedPrecisionPolicy(reduce_dtype=reduce_dtype, cast_forward_inputs=False)
-        dp_mesh, edp_mesh = meshes.dense["dp"], meshes.expert["edp"]
+        dp_mesh, edp_mesh = meshes.mesh(dims.dense_data_axis), meshes.expert["edp"]
 
         def placement(mesh):
             # Shard the first dimension the group divides (experts: [E_local, D, U] with
@@ -217,6 +221,9 @@ class FullyShardedSync:
             return lambda p: Shard(next((d for d in range(p.dim()) if p.shape[d] % size == 0), 0))
 
         expert_scale = dims.edp / dims.dp
+        # Dense gradients: the mean over dp_cp times cp, the sum over cp (context.py's loss).
+        dense_scale = float(dims.cp)
+        self.dense_axes = (dims.dense_data_axis,)
         for block in model.blocks():     # the MTP depths' blocks too (layers/mtp.py)
             if block.is_moe:
                 experts = block.ffn.experts
@@ -226,9 +233,15 @@ class FullyShardedSync:
                     experts.set_all_reduce_hook(lambda g, s=expert_scale: g.mul_(s))
                 if compute_dtype is not None:
                     fully_shard(block.ffn.router, mesh=dp_mesh, mp_policy=fp32_policy)
+                    if dense_scale != 1.0:
+                        block.ffn.router.set_all_reduce_hook(lambda g, s=dense_scale: g.mul_(s))
             fully_shard(block, mesh=dp_mesh, mp_policy=policy, shard_placement_fn=placement(dp_mesh))
+            if dense_scale != 1.0:
+                block.set_all_reduce_hook(lambda g, s=dense_scale: g.mul_(s))
         fully_shard(model, mesh=dp_mesh, mp_policy=fp32_policy if fp32_residual else policy,
                     shard_placement_fn=placement(dp_mesh))
+        if dense_scale != 1.0:
+            model.set_all_reduce_hook(lambda g, s=dense_scale: g.mul_(s))
         for m in model.modules():
             if isinstance(m, FSDPModule):
                 m.set_force_sum_reduction_for_comms(True)

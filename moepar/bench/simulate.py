@@ -15,6 +15,7 @@ import math
 import torch
 
 from moepar.build import build_dims, build_engine
+from moepar.dryrun import activations
 from moepar.parallel.placement import local_tensor
 
 from .fakeworld import fake_process_group
@@ -24,7 +25,7 @@ __all__ = ["simulate", "default_ranks", "print_result"]
 
 def default_ranks(dims) -> list[int]:
     """The first rank of every pipeline stage, and the last rank of the world."""
-    stage = dims.dp * dims.tp
+    stage = dims.stage_size
     return sorted({s * stage for s in range(dims.pp)} | {dims.world_size - 1})
 
 
@@ -59,13 +60,14 @@ def simulate(cfg, world: int, ranks: list[int] | None = None) -> dict:
             engine = build_engine(cfg, dims.bind(rank, device), device,
                                   cfg.train.num_micro_batches // dims.dp, materialize=False)
             coords = engine.layout.coords
-            out.append({"rank": rank, "pp": coords.pp, "dp": coords.dp, "tp": coords.tp,
+            out.append({"rank": rank, "pp": coords.pp, "dp": coords.dp, "cp": coords.cp,
+                        "tp": coords.tp,
                         "ep": coords.ep, "edp": coords.edp,
                         "moe_layers": [engine.moe_layer_ids[i] for i in engine.moe_indices],
                         **_rank_bytes(engine, cfg.parallel.zero)})
     total = sum(math.prod(t.shape) for t in engine.canonical.values() if t.trainable)
     return {"world": world, "layout": dims.describe(), "zero": cfg.parallel.zero,
-            "total_params": total, "ranks": out}
+            "total_params": total, "ranks": out, "activations": activations(cfg, dims)}
 
 
 def print_result(result: dict):
@@ -77,3 +79,8 @@ def print_result(result: dict):
         total = r["params"] + r["grads"] + r["optimizer"]
         print(f"  {r['rank']:>5} {r['pp']:>3} {r['params'] / gb:>10.2f} {r['grads'] / gb:>9.2f} "
               f"{r['optimizer'] / gb:>8.2f} {total / gb:>9.2f}")
+    act = result.get("activations")
+    if act:
+        print(f"activations on rank 0 (`moepar plan`'s estimate on GPUs, on top): "
+              f"{act['total'] / gb:.2f} GB at the peak, {act['in_flight']} micro-batch(es) in "
+              f"flight, {act['positions']:,} positions of each sequence per rank")

@@ -1,7 +1,9 @@
 """Bytes autograd keeps for backward, per layer and micro-batch, as moepar's own layers save them:
 the planner's activation memory, with the four recompute modes.
 
-Legend: T tokens of a micro-batch (mbs * S), t = T/tp (sequence-parallel slice), D model dim,
+Legend: T tokens of a micro-batch on this rank (mbs * S / cp: context parallelism holds S/cp
+positions of each sequence), Tk the positions whose keys attention gathers (mbs * S; T at cp = 1),
+t = T/tp (sequence-parallel slice), D model dim,
 Hl/Gl query/kv heads per tp rank, d head dim, Fl dense hidden per tp rank, Fe expert hidden,
 Fs shared hidden, E experts, K top-k, R rows this rank's experts receive, Ns rows it sends,
 V (Vl per tp rank) vocabulary; r bytes of the residual stream (the compute dtype under bf16
@@ -14,10 +16,11 @@ f bytes of the float32-or-wider maths (router, losses), p bytes of a master para
 | projections' input   | T*D per projection (qkv: 1; MLA q_a, kv_a: 2): autocast casts, or under    |
 |                      | tp the row copies of the gathered sequence (one shared when mbs = 1);     |
 |                      | once (the norm's output) in float32 at tp = 1                             |
-| GQA attention        | roped q (Hl*d), roped k and v (Gl*d), output (Hl*d, shared with o_proj's  |
-|                      | input), log-sum-exp (Hl, fp32)                                            |
+| GQA attention        | roped q (Hl*d), roped k and v (Gl*d, for Tk), output (Hl*d, shared with   |
+|                      | o_proj's input), log-sum-exp (Hl, fp32)                                   |
 | MLA                  | q_a/kv_a norms and q_b/kv_b inputs (Cq, Ckv), q and k (Hl*(N+R)), kv_b's  |
-|                      | output (Hl*(N+V), v is a view of it), output, lse; on CPU (qk != v dims)  |
+|                      | output (Hl*(N+V), v is a view of it), output, lse; k, kv_b's input and    |
+|                      | output for Tk (cp gathers the latent); on CPU (qk != v dims)              |
 |                      | SDPA's math path: probabilities Hl*S per token and a copy of v and of out |
 | dense FFN (SwiGLU)   | input D, [gate|up] 2Fl, w_out's input Fl (GELU: 2Fl; silu not kept)      |
 | router               | scores, logits and logsumexp (z-loss), top-k ids, norm/sigmoid sums (fp32)|
@@ -59,6 +62,7 @@ class ActSpec:
     peak_row_factor: float | None = None  # the same in the busiest layer (default: row_factor)
     kernels: str = "cuda"            # "cuda" or "cpu": which norm and attention kernels run
     fp32_residual: bool = False      # train.fp32_residual
+    cp: int = 1                      # context parallel: this rank holds S/cp of each sequence
 
     @property
     def p(self) -> int:              # a master parameter, its gradient and AdamW moment
@@ -83,7 +87,11 @@ class ActSpec:
     weight_copies = False            # compute weights are kept between steps, not cast
 
     @property
-    def tokens(self) -> int:         # T
+    def tokens(self) -> float:       # T
+        return self.micro_batch * self.seq_len / self.cp
+
+    @property
+    def key_tokens(self) -> int:     # Tk: attention's gathered keys, whole sequences
         return self.micro_batch * self.seq_len
 
     @property
@@ -128,7 +136,8 @@ def _attention(cfg, s: ActSpec) -> tuple[float, float]:
     D, T, tp, a = cfg.dim, s.tokens, s.tp, s.a
     Hl = cfg.num_heads // tp
     lse = T * Hl * 4
-    rope = 4 * s.seq_len * cfg.rope_dim * a if s.autocast else 0   # cos/sin cast per call
+    rope = 4 * s.seq_len / s.cp * cfg.rope_dim * a if s.autocast else 0   # cos/sin cast per call
+    Tk = s.key_tokens
     saved = _norm(s.local_tokens, D, s) + rope
     if cfg.attention == "mla":
         N, R, Vh = cfg.qk_nope_head_dim, cfg.qk_rope_head_dim, cfg.v_head_dim
@@ -136,12 +145,12 @@ def _attention(cfg, s: ActSpec) -> tuple[float, float]:
         saved += _proj_input(s, 2, D)
         if Cq:
             saved += _norm(T, Cq, s) + T * Cq * a
-        saved += _norm(T, Ckv, s) + T * Ckv * a
-        q = k = T * Hl * (N + R) * a
+        saved += _norm(T, Ckv, s) + Tk * Ckv * a
+        q, k = T * Hl * (N + R) * a, Tk * Hl * (N + R) * a
         if s.kernels == "cpu" and N + R != Vh:     # SDPA's math path (no fused kernel)
-            saved += q + k + T * Hl * s.seq_len * a + 2 * T * Hl * Vh * a
+            saved += q + k + T * Hl * s.seq_len * a + (Tk + T) * Hl * Vh * a
         else:
-            saved += q + k + T * Hl * (N + Vh) * a + T * Hl * Vh * a + lse
+            saved += q + k + Tk * Hl * (N + Vh) * a + T * Hl * Vh * a + lse
         weights = (D * Cq + Cq * Hl * (N + R) if Cq else D * Hl * (N + R)) + D * (Ckv + R) \
             + Ckv * Hl * (N + Vh) + Hl * Vh * D
     else:
@@ -150,7 +159,7 @@ def _attention(cfg, s: ActSpec) -> tuple[float, float]:
         saved += _proj_input(s, 1, D)      # one fused qkv_proj reads the input
         if cfg.qk_norm != "none":
             saved += _norm(T, Hl * d, s) + _norm(T, Gl * d, s)
-        saved += T * Hl * d * a * 2 + T * Gl * d * a * 2 + lse     # q, out; k, v; lse
+        saved += T * Hl * d * a * 2 + Tk * Gl * d * a * 2 + lse    # q, out; k, v; lse
         weights = 2 * D * Hl * d + 2 * D * Gl * d
     return saved, weights * a if s.weight_copies else 0
 

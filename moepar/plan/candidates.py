@@ -3,8 +3,10 @@ config's own validation and `build.build_dims`), then costed: memory per GPU (fo
 step time (steptime.py). Families (pp, tp, ep) with no layout that fits get one reason.
 
 Searched: tp over the divisors of a node (TP stays inside a node), pp over the divisors of the
-rest (at most one layer per stage), dp the remainder, ep over the divisors of dp * tp (experts fold
-over the data and tensor ranks of a stage), schedules 1F1B and interleaved 1F1B with 2 or 4
+rest (at most one layer per stage), cp over the divisors of the rest up to `max_cp` that leave
+each rank at least `min_cp_positions` positions of a sequence (shorter pieces would not hide
+attention's key all-gather), dp the remainder, ep over the divisors of dp * cp * tp (experts fold
+over the data, context and tensor ranks of a stage), schedules 1F1B and interleaved 1F1B with 2 or 4
 virtual stages (GPipe on request), ZeRO 0-3, micro-batch sizes dividing each dp rank's share,
 the recompute modes asked for, and the routing (the config's, or dropless and capacity).
 """
@@ -42,6 +44,7 @@ class Layout:
     micro_batch: int
     recompute: str
     capacity_factor: float | None     # None: dropless
+    cp: int = 1                       # context parallel (a variant inside a family, like dp)
 
     @property
     def family(self) -> tuple[int, int, int]:
@@ -49,7 +52,8 @@ class Layout:
 
     def describe(self) -> str:
         pp = f"{self.pp}x{self.virtual}" if self.virtual > 1 else f"{self.pp}"
-        return f"pp {pp} dp {self.dp} tp {self.tp} ep {self.ep} zero {self.zero}"
+        cp = f" cp {self.cp}" if self.cp > 1 else ""
+        return f"pp {pp} dp {self.dp}{cp} tp {self.tp} ep {self.ep} zero {self.zero}"
 
 
 @dataclass
@@ -68,6 +72,8 @@ class Request:
     max_bubble: float = 0.25
     max_micro_batch: int = 16
     imbalance_by_ep: dict | None = None   # --placement: the imbalance per ep (overrides it)
+    max_cp: int = 32              # largest context-parallel degree searched
+    min_cp_positions: int = 4096  # cp > 1 only while each rank keeps this many positions
 
     @property
     def global_seqs(self) -> int:
@@ -96,7 +102,8 @@ def _divisors(n: int) -> list[int]:
 def run_config(base, layout: Layout, req: Request):
     """The run config of `layout` (validated by its dataclasses; raises ValueError)."""
     node = req.gpus_per_node if req.gpus_per_node < req.world else 0
-    parallel = dataclasses.replace(base.parallel, pp=layout.pp, dp=layout.dp, tp=layout.tp,
+    parallel = dataclasses.replace(base.parallel, pp=layout.pp, dp=layout.dp, cp=layout.cp,
+                                   tp=layout.tp,
                                    ep=layout.ep, zero=layout.zero, pp_schedule=layout.schedule,
                                    pp_virtual=layout.virtual, pp_layers=[], gpus_per_node=node)
     train = dataclasses.replace(base.train, micro_batch_size=layout.micro_batch,
@@ -112,10 +119,10 @@ def run_config(base, layout: Layout, req: Request):
 def config_layout(req: Request) -> Layout:
     """The layout the base config asks for (dp resolved for req.world)."""
     p, t = req.base.parallel, req.base.train
-    dp = p.dp or req.world // (p.pp * p.tp)
+    dp = p.dp or req.world // (p.pp * p.cp * p.tp)
     return Layout(p.pp, p.pp_virtual, p.pp_schedule if p.pp > 1 else "1f1b", dp, p.tp, p.ep,
                   p.zero, t.micro_batch_size, t.recompute,
-                  req.base.router.capacity_factor)
+                  req.base.router.capacity_factor, p.cp)
 
 
 def evaluate(req: Request, layout: Layout) -> Plan:
@@ -133,22 +140,26 @@ def _routings(req: Request) -> list[float | None]:
 
 
 def _shapes(req: Request):
-    """(pp, virtual, schedule, tp, ep, micro_batch) before validation."""
+    """(pp, virtual, schedule, dp, tp, ep, micro_batch, cp) before validation."""
     model, world = req.base.model, req.world
     node = min(req.gpus_per_node, world)
     for tp in _divisors(node):
         for pp in _divisors(world // tp):
             if pp > model.num_layers:
                 continue
-            dp = world // (pp * tp)
-            schedules = [("1f1b", 1)] if pp == 1 else \
-                [(s, v) for s in req.schedules for v in ((2, 4) if s == "interleaved_1f1b" else (1,))]
-            per_dp = req.global_seqs // dp if req.global_seqs % dp == 0 else 0
-            mbs = [m for m in _divisors(per_dp) if m <= req.max_micro_batch] if per_dp else [1]
-            for ep in _divisors(dp * tp):
-                for schedule, virtual in schedules:
-                    for micro in mbs:
-                        yield pp, virtual, schedule, dp, tp, ep, micro
+            cps = [c for c in _divisors(world // (pp * tp)) if c == 1 or (
+                c <= req.max_cp and req.seq_len // c >= req.min_cp_positions)]
+            for cp in cps:
+                dp = world // (pp * cp * tp)
+                schedules = [("1f1b", 1)] if pp == 1 else \
+                    [(s, v) for s in req.schedules
+                     for v in ((2, 4) if s == "interleaved_1f1b" else (1,))]
+                per_dp = req.global_seqs // dp if req.global_seqs % dp == 0 else 0
+                mbs = [m for m in _divisors(per_dp) if m <= req.max_micro_batch] if per_dp else [1]
+                for ep in _divisors(dp * cp * tp):
+                    for schedule, virtual in schedules:
+                        for micro in mbs:
+                            yield pp, virtual, schedule, dp, tp, ep, micro, cp
 
 
 def search(req: Request) -> tuple[list[Plan], dict]:
@@ -161,10 +172,10 @@ def search(req: Request) -> tuple[list[Plan], dict]:
     plans, errors = [], {}
     ctx = _Context(req)
     full = set()      # shapes whose every layout ran out of memory at a smaller micro-batch
-    for pp, virtual, schedule, dp, tp, ep, micro in _shapes(req):
+    for pp, virtual, schedule, dp, tp, ep, micro, cp in _shapes(req):
         for capacity in _routings(req):
-            probe = Layout(pp, virtual, schedule, dp, tp, ep, 0, micro, "none", capacity)
-            shape = (pp, virtual, schedule, tp, ep, capacity)
+            probe = Layout(pp, virtual, schedule, dp, tp, ep, 0, micro, "none", capacity, cp)
+            shape = (pp, virtual, schedule, tp, ep, capacity, cp)
             # Memory grows with the micro-batch (in-flight count x size does not shrink), except
             # that one micro-batch per step drops ZeRO-3's unsharded accumulation.
             if shape in full and req.global_seqs // (micro * dp) > 1:
@@ -204,12 +215,12 @@ class _Context:
         if zero in (1, 2):          # the same element counts as ZeRO-0, sharded by formula
             out = dict(self.static(dims, pp_rank, 0, r, virtual, compute))
             dense, expert = out["dense_params"], out["expert_params"]
-            shard = r * (dense / dims.dp + expert / dims.edp)
+            shard = r * (dense / (dims.dp * dims.cp) + expert / dims.edp)
             out.update(grads=shard if zero == 2 else out["grads"], optimizer=2 * shard)
             return out
         if dims.tp not in self.shapes:
             self.shapes[dims.tp] = tensor_shapes(self.model, tp=dims.tp)
-        return rank_memory(self.model, dims, pp_rank * dims.dp * dims.tp, zero, r, virtual,
+        return rank_memory(self.model, dims, pp_rank * dims.stage_size, zero, r, virtual,
                            shapes=self.shapes[dims.tp], compute_bytes=compute)
 
     def evaluate(self, cfg, dims, layout: Layout) -> Plan:
@@ -219,7 +230,7 @@ class _Context:
         imbalance = (req.imbalance_by_ep or {}).get(dims.ep, req.imbalance)
         row_factor = rows_per_rank(dims.ep, model.top_k, layout.capacity_factor, imbalance)
         spec = ActSpec(layout.micro_batch, req.seq_len, dims.tp, dims.ep, t.dtype, layout.zero,
-                       layout.recompute, row_factor, kernels="cuda")
+                       layout.recompute, row_factor, kernels="cuda", cp=dims.cp)
         wire = {"": None, "float32": 4, "bfloat16": 2}[cfg.parallel.grad_reduce_dtype]
         overhead = gpu.overhead_gib * 2 ** 30
         budget = gpu.budget_bytes + overhead
@@ -227,7 +238,7 @@ class _Context:
         memory, binding = None, 0
         for r, _, _ in self.groups(dims.pp, layout.virtual):
             footprint = rank_footprint(
-                cfg, dims, r * dims.dp * dims.tp, spec, num_micro=num_micro,
+                cfg, dims, r * dims.stage_size, spec, num_micro=num_micro,
                 schedule=layout.schedule, virtual=layout.virtual, wire_bytes=wire,
                 overhead_bytes=overhead, cache=self.layer_cache,
                 static=self.static(dims, r, layout.zero, spec.p, layout.virtual,
@@ -283,15 +294,16 @@ def _links(dims) -> dict:
     one's node pattern, so the axes inside a stage are asked of that one stage (the world-wide
     scan is what costs time at thousands of ranks)."""
     node = dims.gpus_per_node or dims.world_size
-    stage = dims.dp * dims.tp
+    stage = dims.stage_size
     one = dims
     if dims.pp > 1 and stage % node == 0:
-        one = ParallelDims(stage, 1, dims.dp, dims.tp, dims.ep, gpus_per_node=node)
+        one = ParallelDims(stage, 1, dims.dp, dims.tp, dims.ep, gpus_per_node=node, cp=dims.cp)
     out = {axis: getattr(dims, axis) > 1 and one.spans_nodes(axis)
-           for axis in ("tp", "ep", "dp", "edp")}
+           for axis in ("tp", "cp", "ep", "dp", "edp")}
+    out["dp"] = out["dp"] or out["cp"]     # dense gradients reduce over dp x cp
     out["pp"] = dims.pp > 1 and (stage % node == 0 or dims.spans_nodes("pp"))
     return {**out, "ep_inside": min(dims.ep, node) / dims.ep, "pp_size": dims.pp,
-            "dp_size": dims.dp, "edp_size": dims.edp}
+            "dp_size": dims.dp * dims.cp, "edp_size": dims.edp}
 
 
 def _rejected(plans: list[Plan], errors: dict) -> dict:

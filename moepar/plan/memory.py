@@ -94,7 +94,8 @@ def rank_memory(cfg, dims, rank: int, zero: int = 0, element_bytes: int = 4,
                 expert += n
                 expert_shard += _fsdp_local(shape, world, index) if zero == 3 else n / world
             else:
-                n, world, index = math.prod(shape), dims.dp, coords.dp
+                # dense state is sharded over dp x cp (dp_cp), rank order dp-major
+                n, world, index = math.prod(shape), dims.dp * dims.cp, coords.dp * dims.cp + coords.cp
                 dense += n
                 dense_shard += _fsdp_local(shape, world, index) if zero == 3 else n / world
     full, shard = dense + expert, dense_shard + expert_shard

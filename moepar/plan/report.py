@@ -17,7 +17,8 @@ def _route(capacity) -> str:
 def row(plan) -> dict:
     """One plan as plain numbers (the JSON form, and what the table prints)."""
     lo = plan.layout
-    out = {"pp": lo.pp, "virtual": lo.virtual, "schedule": lo.schedule, "dp": lo.dp, "tp": lo.tp,
+    out = {"pp": lo.pp, "virtual": lo.virtual, "schedule": lo.schedule, "dp": lo.dp, "cp": lo.cp,
+           "tp": lo.tp,
            "ep": lo.ep, "zero": lo.zero, "micro_batch": lo.micro_batch,
            "recompute": lo.recompute, "capacity_factor": lo.capacity_factor,
            "micro_batches_per_step": plan.num_micro, "fits": plan.fits, "reason": plan.reason,
@@ -30,7 +31,7 @@ def row(plan) -> dict:
 
 
 def table(plans: list, top: int) -> list[str]:
-    head = (f"{'#':>3}  {'pp':>5} {'dp':>4} {'tp':>2} {'ep':>3} {'zero':>4} {'mbs':>3} "
+    head = (f"{'#':>3}  {'pp':>5} {'dp':>4} {'cp':>3} {'tp':>2} {'ep':>3} {'zero':>4} {'mbs':>3} "
             f"{'recompute':<9} {'routing':<8} {'GiB/GPU':>7} {'step s':>7} {'tok/s/GPU':>9} "
             f"{'MFU':>5} {'bubble':>6} {'a2a':>5}")
     lines = [head]
@@ -40,7 +41,7 @@ def table(plans: list, top: int) -> list[str]:
         if lo.schedule == "gpipe":
             pp += "g"
         lines.append(
-            f"{i:>3}  {pp:>5} {lo.dp:>4} {lo.tp:>2} {lo.ep:>3} {lo.zero:>4} {lo.micro_batch:>3} "
+            f"{i:>3}  {pp:>5} {lo.dp:>4} {lo.cp:>3} {lo.tp:>2} {lo.ep:>3} {lo.zero:>4} {lo.micro_batch:>3} "
             f"{lo.recompute:<9} {_route(lo.capacity_factor):<8} "
             f"{p.memory['total'] / GIB:>7.1f} {p.time['step']:>7.2f} {p.tokens_per_s_gpu:>9,.0f} "
             f"{100 * p.mfu:>4.1f}% {100 * p.bubble:>5.1f}% {100 * p.a2a_share:>4.1f}%")
@@ -52,7 +53,7 @@ def breakdown(plan) -> list[str]:
     parts = ", ".join(f"{k} {m[k] / GIB:.1f}" for k in ITEMS if m[k] >= 0.05 * GIB)
     lines = [f"memory of #1 (pp rank {plan.memory_rank}, {m['in_flight']} micro-batch(es) in "
              f"flight), GiB: {parts}; total {m['total'] / GIB:.1f}"]
-    parts = ", ".join(f"{k} {t[k]:.2f}" for k in ("compute", "tp", "a2a", "p2p", "zero3_exposed")
+    parts = ", ".join(f"{k} {t[k]:.2f}" for k in ("compute", "tp", "cp", "a2a", "p2p", "zero3_exposed")
                       if t[k] >= 0.005)
     lines.append(f"step of #1, s: pipeline {t['pipeline']:.2f} (of which on the slowest stage "
                  f"{parts}; bubble {100 * plan.bubble:.1f}%), data-parallel sync exposed "

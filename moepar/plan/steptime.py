@@ -65,7 +65,7 @@ def stage_seconds(cfg, spec, gpu, stage: dict, links: dict) -> dict:
     flops = 3 * (layers_fwd + head) + extra + head
     compute = flops / (gpu.tflops * 1e12 * gpu.compute_efficiency)
     out = {"compute": compute, "backward": (2 * layers_fwd + 3 * head) / (
-        gpu.tflops * 1e12 * gpu.compute_efficiency), "tp": 0.0, "a2a": 0.0, "p2p": 0.0}
+        gpu.tflops * 1e12 * gpu.compute_efficiency), "tp": 0.0, "cp": 0.0, "a2a": 0.0, "p2p": 0.0}
     if tp > 1:
         regions = 2 * stage["dense"] + stage["moe"]          # attention + dense FFN
         per_region = 4 + (2 if spec.recompute == "full" else 0)
@@ -74,6 +74,14 @@ def stage_seconds(cfg, spec, gpu, stage: dict, links: dict) -> dict:
         ends = 2 * (stage["first"] + stage["last"])
         nbytes = T * model.dim * a
         out["tp"] = (regions * per_region + ends) * _ring(tp, nbytes, _bw(gpu, links["tp"]))
+    if spec.cp > 1:      # keys/values (MLA: latent) all-gathered forward, reduce-scattered backward
+        if model.attention == "mla":
+            width = model.kv_lora_rank + model.qk_rope_head_dim
+        else:
+            width = 2 * max(model.num_kv_heads // tp, 1) * model.head_dim_resolved
+        passes = 2 + (1 if spec.recompute in ("full", "attention") else 0)
+        out["cp"] = (stage["dense"] + stage["moe"]) * passes * _ring(
+            spec.cp, spec.key_tokens * width * a, _bw(gpu, links.get("cp", False)))
     if spec.ep > 1 and stage["moe"]:
         exchanges = 4 + (2 if spec.recompute == "full" else 0)
         nbytes = rows * model.dim * a * (spec.ep - 1) / spec.ep
@@ -89,7 +97,7 @@ def stage_seconds(cfg, spec, gpu, stage: dict, links: dict) -> dict:
         out["a2a"] = stage["moe"] * exchanges * seconds
     if links["pp_size"] > 1:
         out["p2p"] = 2 * stage["virtual"] * t * model.dim * spec.r / _bw(gpu, links["pp"])
-    out["total"] = sum(out[k] for k in ("compute", "tp", "a2a", "p2p"))
+    out["total"] = sum(out[k] for k in ("compute", "tp", "cp", "a2a", "p2p"))
     return out
 
 
@@ -149,5 +157,6 @@ def step_seconds(cfg, spec, gpu, stages: list[tuple[dict, int]], links: dict, nu
     worst = per[slowest]
     return {"step": step, "pipeline": pipeline, "dp_exposed": exposed, "optimizer": optimizer,
             "compute": num_micro * worst["compute"], "tp": num_micro * worst["tp"],
+            "cp": num_micro * worst["cp"],
             "a2a": num_micro * worst["a2a"], "p2p": num_micro * worst["p2p"],
             "zero3_exposed": num_micro * dp[slowest][1]}
