@@ -45,10 +45,12 @@ class LocalRunner:
             inputs_BS = inputs[n].to(device, non_blocking=True)
             targets_BS = targets[n].to(device, non_blocking=True)
             holder = None if step is None else MicroBalance()
+            # The gradient backward sends into the loss, which the loss may form in forward.
+            grad_scale = self.loss_scale / self.num_micro
             with self.autocast(), torch.no_grad() if forward_only else contextlib.nullcontext():
                 # The loss in place of the head: from the final hidden states and head weight.
-                loss, moe_outputs = self.model(
-                    inputs_BS, holder, head_fn=lambda h, w: self.loss_fn(h, w, targets_BS))
+                loss, moe_outputs = self.model(inputs_BS, holder, head_fn=lambda h, w: self.loss_fn(
+                    h, w, targets_BS, grad_scale=grad_scale))
             if forward_only:
                 loss_sum += loss
                 continue
@@ -60,7 +62,7 @@ class LocalRunner:
             backward = Action("B", 0, n)
             if before_action is not None:
                 before_action(backward)
-            (loss * self.loss_scale / self.num_micro).backward()
+            (loss * grad_scale).backward()
             if after_action is not None:
                 after_action(backward)
             loss_sum += loss.detach()

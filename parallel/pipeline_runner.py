@@ -302,13 +302,14 @@ class PipelineRunner:
         holder = None if state["balance"] is None else MicroBalance()
         with self.autocast():
             # The last chunk's loss replaces its head: from the final hidden states and the
-            # head weight, never the logits (parallel/loss.py).
-            head_fn = None
+            # head weight, never the logits (parallel/loss.py); given the gradient that backward
+            # sends into it, it may form its gradients in forward.
+            head_fn, grad_scale = None, self.loss_scale / self.num_micro
             if c == self.num_chunks - 1:
                 targets = state["targets"][n].to(self.device, non_blocking=True)
 
                 def head_fn(h, w):
-                    return self.loss_fn(h, w, targets)
+                    return self.loss_fn(h, w, targets, grad_scale=grad_scale)
             out, moe_outputs = self.stage(x, holder, chunk=c // self.pp, head_fn=head_fn)
             if c == self.num_chunks - 1:
                 loss = out
@@ -318,7 +319,7 @@ class PipelineRunner:
         if c == self.num_chunks - 1:
             state["loss_sum"] += loss.detach().to(torch.float64)
             if training:
-                state["saved"][(c, n)] = (x, loss * self.loss_scale / self.num_micro)
+                state["saved"][(c, n)] = (x, loss * grad_scale)
             return None
         if training:
             state["saved"][(c, n)] = (x, out)
