@@ -20,9 +20,10 @@ Two ways to the gradients, chosen at the call (see `linear_cross_entropy`):
   vocabulary-sized matmuls, as unfused logits take, not four. The per-token scale (the
   reduction's 1/count and the caller's `grad_scale`) is applied to [C, D] rows (dh, and h before
   the dW matmul), never to a [C, V] or [V, D] tensor. When the trainer passes the gradient it
-  will send back (`grad_scale`), backward returns dh and dW as they are and checks the incoming
-  gradient on the device (torch._assert_async: no host sync; the one private call in this
-  file); without it, backward multiplies them by the incoming gradient (a [V, D] pass).
+  will send back (`grad_scale`: the runners then backpropagate exactly that), backward returns
+  dW as it is and scales dh ([T, D]) by the incoming gradient / grad_scale (1 in training; a
+  non-finite loss gradient still makes a non-finite step, which the trainer skips); without
+  it, backward multiplies both by the incoming gradient (a [V, D] pass per call).
   What this holds from forward to backward is dh_TD and dW_VD in the compute dtype; the loss is
   the last op of the forward, so its backward comes next.
 - A slice of the vocabulary (tp), per-token losses, or no gradients (evaluation): forward saves
@@ -191,13 +192,13 @@ class _LinearCrossEntropyGrads(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad):
         dh_TD, dw_VD = ctx.saved_tensors
-        if ctx.grad_scale is not None:
-            # The trainer's contract: this loss is backpropagated with exactly `grad_scale`.
-            torch._assert_async(grad == ctx.grad_scale,
-                                "linear_cross_entropy: the gradient differs from grad_scale")
-        else:
-            dh_TD = None if dh_TD is None else dh_TD.mul_(grad.to(dh_TD.dtype))
-            dw_VD = None if dw_VD is None else dw_VD.mul_(grad.to(dw_VD.dtype))
+        # dh ([T, D]: cheap) always takes the incoming gradient's ratio to the announced one (1
+        # in training; a non-finite gradient still makes a non-finite step); dW only when none
+        # was announced: the runners send back exactly `grad_scale` (the module text).
+        ratio = grad if ctx.grad_scale is None else grad / ctx.grad_scale
+        dh_TD = None if dh_TD is None else dh_TD.mul_(ratio.to(dh_TD.dtype))
+        if ctx.grad_scale is None and dw_VD is not None:
+            dw_VD = dw_VD.mul_(grad.to(dw_VD.dtype))
         return (dh_TD, None if dw_VD is None else dw_VD.to(ctx.w_dtype),
                 None, None, None, None, None)
 
@@ -240,8 +241,8 @@ def linear_cross_entropy(h, w_VD, targets, reduction: str = "mean", chunk: int |
     """F.cross_entropy(F.linear(h, w_VD), targets, ignore_index=-100) in float32 or wider, without
     [tokens, V] logits: h [..., D] (after the final norm), targets [...]; `reduction` "mean",
     "sum" or "none". `grad_scale`: the gradient the caller will backpropagate into this loss (the
-    trainer's loss scale / micro-batches); given, a mean or sum needs no [V, D] pass in backward,
-    which then checks it (see the module text)."""
+    trainer's loss scale / micro-batches); given, a mean or sum forms W's gradient in forward for
+    exactly that gradient and needs no [V, D] pass in backward (see the module text)."""
     _check_reduction(reduction)
     h_TD, targets_T = h.reshape(-1, h.shape[-1]), targets.reshape(-1)
     dtype = _compute_dtype(h_TD, w_VD)

@@ -103,9 +103,10 @@ def test_ignored_targets_as_cross_entropy_with_ignore_index(reduction):
                                    want[0], rtol=1e-12, atol=1e-12)
 
 
-def test_grad_scale_forms_the_gradients_in_forward_and_checks_it():
+def test_grad_scale_forms_the_gradients_in_forward():
     """With the gradient the trainer will send back (its loss scale / micro-batches), the
-    gradients are those of the scaled loss (float64); another incoming gradient is refused."""
+    gradients are those of the scaled loss (float64); a non-finite incoming gradient still
+    reaches dh (the trainer then skips the step)."""
     h, w, targets, weight = _problem(torch.float64, seed=6)
     got = _grads(lambda h, w, t, r: linear_cross_entropy(h, w, t, r, chunk=7, grad_scale=0.3) * 0.3,
                  h, w, targets, weight, "mean")
@@ -113,8 +114,8 @@ def test_grad_scale_forms_the_gradients_in_forward_and_checks_it():
     for name, a, b in zip(("loss", "dh", "dw"), got, want, strict=True):
         torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-14, msg=name)
     h = h.clone().requires_grad_()
-    with pytest.raises(RuntimeError, match="grad_scale"):
-        (linear_cross_entropy(h, w, targets, grad_scale=0.3) * 0.5).backward()
+    (linear_cross_entropy(h, w, targets, grad_scale=0.3) * float("nan")).backward()
+    assert h.grad.isnan().all()
 
 
 def test_padding_columns_and_a_vocabulary_slice():
