@@ -5,10 +5,11 @@ from .dispatch import LocalDispatcher, LocalPlan
 from .experts import FeedForward, GroupedExperts, SharedExperts
 from .model import ModelConfig, Transformer
 from .moe import MoE, MoEOutput, inject_aux_loss
+from .mtp import MTPMicro
 from .router import (ExpertChoiceRouter, RouterConfig, RouterLosses, Routing, RoutingStats,
                      TopKRouter, capacity)
 
 __all__ = ["MoE", "MoEOutput", "inject_aux_loss", "RouterConfig", "TopKRouter",
            "ExpertChoiceRouter", "Routing", "RouterLosses", "RoutingStats", "capacity",
            "GroupedExperts", "FeedForward", "SharedExperts", "LocalDispatcher", "LocalPlan",
-           "ModelConfig", "Transformer", "KVCache"]
+           "ModelConfig", "Transformer", "KVCache", "MTPMicro"]

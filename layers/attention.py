@@ -7,6 +7,7 @@ Hd head dim.
 from torch import nn
 
 from .cache import LayerCache, causal_attention
+from .logits import track_max_logits
 from .rope import RMSNorm, apply_rotary
 
 __all__ = ["Attention"]
@@ -34,6 +35,7 @@ class Attention(nn.Module):
             nn.init.zeros_(self.qkv_proj.bias)
         nn.init.normal_(self.o_proj.weight, std=out_init_std)
         self.qk_norm = cfg.qk_norm
+        self.max_logit_H = None      # MuonClip's statistic, a tensor under train.qk_clip (logits.py)
         if cfg.qk_norm != "none":
             # "head": one weight of head_dim shared by all heads; "full": over all heads' features.
             q_dim, k_dim = (hd, hd) if cfg.qk_norm == "head" else (cfg.num_heads * hd, cfg.num_kv_heads * hd)
@@ -44,9 +46,10 @@ class Attention(nn.Module):
         q, kv = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
         return q, kv, kv
 
-    def forward(self, x_BSD, cos_SHd, sin_SHd, cache: LayerCache | None = None):
+    def forward(self, x_BSD, cos_SHd, sin_SHd, cache: LayerCache | None = None, mask=None):
         """`cache`: decoding; x_BSD holds the S positions after the cached ones, and cos/sin are
-        theirs."""
+        theirs ([S, Hd], or [B, 1, S, Hd] for positions per row). `mask` [B, 1, S, L] (packed
+        documents, layers/documents.py): who sees whom, in place of causal."""
         batch, seq, _ = x_BSD.shape
         q, k, v = self.qkv_proj(x_BSD).split(self.qkv_sizes(), dim=-1)   # views, no copies
         if self.qk_norm == "full":
@@ -62,5 +65,7 @@ class Attention(nn.Module):
         if cache is not None:   # attend over the cached positions too: k, v [B, G, L, Hd]
             start = cache.length
             k_BGSd, v_BGSd = cache.extend(2, k_BGSd, v_BGSd)
-        o_BHSd = causal_attention(q_BHSd, k_BGSd, v_BGSd, start)
+        if start == 0:
+            track_max_logits(self, q_BHSd, k_BGSd, mask_B1SS=mask)
+        o_BHSd = causal_attention(q_BHSd, k_BGSd, v_BGSd, start, mask_B1TL=mask)
         return self.o_proj(o_BHSd.transpose(1, 2).reshape(batch, seq, -1))

@@ -38,33 +38,41 @@ from dataclasses import dataclass
 import torch
 
 __all__ = ["BALANCE_LOSSES", "BALANCE_SCOPES", "expert_counts", "switch_balance_loss",
-           "sequence_balance_loss", "z_loss", "BalanceParts", "BalanceSlot", "MicroBalance",
+           "sequence_balance_loss", "document_balance_loss", "z_loss", "BalanceParts", "BalanceSlot", "MicroBalance",
            "BalanceStep"]
 
 BALANCE_LOSSES = ("per_layer", "all_layers")
 BALANCE_SCOPES = ("micro_batch", "global")
 
 
-def expert_counts(experts, num_experts: int, per_row: bool = False):
+def expert_counts(experts, num_experts: int, per_row: bool = False, valid_T=None):
     """Copies per expert (int64, [E]; [B, E] per row of dim 0 with `per_row`) by a scatter-add of
     static size: no host sync, unlike `torch.bincount`, which reads the largest id on the host
     (two syncs on CUDA). Integer adds commute, so the counts are exact whatever the order of the
-    GPU's atomics (float counts would be too, below 2^24, but integers need no argument)."""
+    GPU's atomics (float counts would be too, below 2^24, but integers need no argument).
+    `valid_T` (bool per token, dim 0 of experts_TK): only those tokens' copies count (padding)."""
+    ones = torch.ones_like(experts) if valid_T is None else \
+        valid_T[:, None].expand_as(experts).long()
     ids_BN = experts.reshape(experts.shape[0] if per_row else 1, -1)
     counts_BE = torch.zeros(ids_BN.shape[0], num_experts, dtype=torch.long, device=ids_BN.device)
-    counts_BE.scatter_add_(1, ids_BN, torch.ones_like(ids_BN))
+    counts_BE.scatter_add_(1, ids_BN, ones.reshape(ids_BN.shape))
     return counts_BE if per_row else counts_BE[0]
 
 
-def switch_balance_loss(probs_TE, experts_TK, counts_E=None):
+def switch_balance_loss(probs_TE, experts_TK, counts_E=None, valid_T=None):
     """Switch/GShard loss E * sum_e f_e * P_e over the group; 1.0 when perfectly balanced.
 
     f_e = share of the T*K routed copies sent to e (before drops), P_e = mean probability of e.
     `counts_E` (copies per expert) is computed here unless the caller already has it.
+    `valid_T`: over those tokens only (padding left out); counts_E must be theirs too.
     """
     num_tokens, num_experts = probs_TE.shape
     if counts_E is None:
-        counts_E = expert_counts(experts_TK, num_experts)
+        counts_E = expert_counts(experts_TK, num_experts, valid_T=valid_T)
+    if valid_T is not None:
+        real = valid_T.sum().clamp_min(1).to(probs_TE.dtype)
+        f_E = counts_E.to(probs_TE.dtype) / (real * experts_TK.shape[1])
+        return num_experts * torch.sum(f_E * (probs_TE * valid_T[:, None]).sum(0) / real)
     f_E = counts_E.to(probs_TE.dtype) / experts_TK.numel()
     return num_experts * torch.sum(f_E * probs_TE.mean(0))
 
@@ -77,9 +85,32 @@ def sequence_balance_loss(probs_BSE, experts_BSK):
     return num_experts * torch.sum(f_BE * probs_BSE.mean(1), dim=1).mean()
 
 
-def z_loss(logits_TE):
-    """Mean over tokens of logsumexp(logits)^2 (ST-MoE): keeps router logits small."""
-    return torch.logsumexp(logits_TE, dim=-1).square().mean()
+def document_balance_loss(probs_TE, experts_TK, doc_T, valid_T):
+    """The Switch loss within each document of a packed micro-batch, averaged over documents
+    (padding left out): sequence_balance_loss with documents for sequences. `doc_T`: each
+    token's document number in [0, T) (layers/documents.py). Sums into [T, E] (T an upper bound
+    on the documents), so no host sync."""
+    num_tokens, num_experts = probs_TE.shape
+    top_k = experts_TK.shape[1]
+    weight_T = valid_T.to(probs_TE.dtype)
+    slot_N = (doc_T[:, None] * num_experts + experts_TK).reshape(-1)
+    counts_DE = torch.zeros(num_tokens * num_experts, dtype=probs_TE.dtype, device=probs_TE.device)
+    counts_DE = counts_DE.scatter_add_(0, slot_N, weight_T.repeat_interleave(top_k))
+    counts_DE = counts_DE.view(num_tokens, num_experts)
+    prob_sum_DE = probs_TE.new_zeros(num_tokens, num_experts).index_add(
+        0, doc_T, probs_TE * weight_T[:, None])
+    len_D = weight_T.new_zeros(num_tokens).index_add(0, doc_T, weight_T)
+    loss_D = num_experts * (counts_DE * prob_sum_DE).sum(1) / (top_k * len_D.square().clamp_min(1))
+    return loss_D.sum() / (len_D > 0).sum().clamp_min(1)
+
+
+def z_loss(logits_TE, valid_T=None):
+    """Mean over tokens (`valid_T`: those only) of logsumexp(logits)^2 (ST-MoE): keeps router
+    logits small."""
+    z_T = torch.logsumexp(logits_TE, dim=-1).square()
+    if valid_T is None:
+        return z_T.mean()
+    return (z_T * valid_T).sum() / valid_T.sum().clamp_min(1)
 
 
 @dataclass(frozen=True)
@@ -88,10 +119,17 @@ class BalanceParts:
     balance losses are built from."""
     counts_E: torch.Tensor     # copies routed per expert (top-k slots, before drops)
     prob_sum_E: torch.Tensor   # sum over the tokens of each expert's probability
-    num_tokens: int            # T
+    num_tokens: int | torch.Tensor   # T (packed with padding: the real tokens, on the device)
 
     def detach(self) -> "BalanceParts":
         return BalanceParts(self.counts_E, self.prob_sum_E.detach(), self.num_tokens)
+
+
+def _tokens(parts: BalanceParts) -> torch.Tensor:
+    """T as a float64 scalar on the device (filled there: no host-to-device copy)."""
+    if isinstance(parts.num_tokens, torch.Tensor):
+        return parts.num_tokens.to(torch.float64)
+    return parts.counts_E.new_full((), parts.num_tokens, dtype=torch.float64)
 
 
 class BalanceSlot:
@@ -169,8 +207,7 @@ class BalanceStep:
             return holder.value
         parts = [s.parts for _, s in items]
         # (filled on the device: no host-to-device copy)
-        tokens_L = torch.stack([p.counts_E.new_full((), p.num_tokens, dtype=torch.float64)
-                                for p in parts])
+        tokens_L = torch.stack([_tokens(p) for p in parts])
         counts_LE1 = torch.cat([torch.stack([p.counts_E.to(torch.float64) for p in parts]),
                                 tokens_L[:, None]], 1)
         counted = self._counted(tuple(layer_id for layer_id, _ in items), counts_LE1)
@@ -189,7 +226,7 @@ class BalanceStep:
         for slot in holder.slots.values():
             p = slot.parts
             row = torch.cat([p.counts_E.to(torch.float64), p.prob_sum_E.to(torch.float64),
-                             p.counts_E.new_full((1,), p.num_tokens, dtype=torch.float64)])
+                             _tokens(p).reshape(1)])
             total = row if total is None else total + row
         if total is None:
             total = torch.zeros(2 * self.num_experts + 1, dtype=torch.float64, device=self.device)

@@ -68,11 +68,16 @@ def causal_mask_TL(start: int, num_new: int, device) -> torch.Tensor | None:
     return positions_L[None, :] <= (start + torch.arange(num_new, device=device))[:, None]
 
 
-def causal_attention(q_BHTd, k_BGLd, v_BGLd, start: int, scale: float | None = None):
+def causal_attention(q_BHTd, k_BGLd, v_BGLd, start: int, scale: float | None = None,
+                     mask_B1TL=None):
     """SDPA of T new queries (positions start..start+T-1) over L = start+T keys and values;
     G < H key/value heads are shared by groups of queries (GQA). With nothing cached it is
-    the training forward's call (is_causal), so a prefill equals a full forward exactly."""
+    the training forward's call (is_causal), so a prefill equals a full forward exactly.
+    `mask_B1TL` (packed documents, documents.py): the boolean mask to use instead of causal."""
     gqa = k_BGLd.shape[1] != q_BHTd.shape[1]
+    if mask_B1TL is not None:
+        return F.scaled_dot_product_attention(q_BHTd, k_BGLd, v_BGLd, attn_mask=mask_B1TL,
+                                              scale=scale, enable_gqa=gqa)
     if start == 0:
         return F.scaled_dot_product_attention(q_BHTd, k_BGLd, v_BGLd, is_causal=True, scale=scale,
                                               enable_gqa=gqa)

@@ -78,8 +78,10 @@ class GroupedExperts(nn.Module):
                  init_std: float = 0.02, out_init_std: float | None = None):
         super().__init__()
         self.num_experts, self.activation = num_experts, activation
-        # Expert parallelism keeps a block of experts; these name them by global id.
+        # Expert parallelism keeps some experts; these name them by global id (the stack's row
+        # j is expert expert_ids[j]; contiguous blocks start at expert_offset).
         self.expert_offset, self.num_global_experts = 0, num_experts
+        self.expert_ids = tuple(range(num_experts))
         self.w_in_EDU = nn.Parameter(torch.empty(num_experts, dim, _in_features(ffn_dim, activation)))
         self.w_out_EFD = nn.Parameter(torch.empty(num_experts, ffn_dim, dim))
         nn.init.normal_(self.w_in_EDU, std=init_std)
@@ -89,6 +91,9 @@ class GroupedExperts(nn.Module):
         self.recompute: Callable | None = None
         # Set by parallel/compile.py (train.compile): the activation as a compiled h -> a.
         self.activate: Callable | None = None
+        # Set by parallel/replicas.py (parallel.expert_replicas): (w_in, w_out) -> the stacks
+        # with this rank's replica slots appended (their gradients flow back to the owners).
+        self.with_replicas: Callable | None = None
 
     def forward(self, x_RD, plan):
         """y_RD: the experts on the rows of each chunk of `plan` (a dispatcher's, see
@@ -98,6 +103,8 @@ class GroupedExperts(nn.Module):
         chunk's rows travel. One call for every chunk, so module hooks (FSDP's unshard and
         reshard) see the experts called once, with the rows as their tensor input."""
         w_in, w_out = self.w_in_EDU, self.w_out_EFD
+        if self.with_replicas is not None:
+            w_in, w_out = self.with_replicas(w_in, w_out)
         chunks = plan.chunks
         if len(chunks) > 1:
             sizes = [chunk.num_experts for chunk in chunks]

@@ -170,7 +170,7 @@ def init_weights(model: nn.Module, seed: int):
             target.copy_(draw(name, tensors[name], seed))
             continue
         prefix, module, short = split
-        for e in range(module.num_experts):
-            canonical = f"{prefix}.{module.expert_offset + e}.{short}"
-            target[e].copy_(draw(canonical, tensors[canonical], seed))
+        for row, e in enumerate(module.expert_ids):
+            canonical = f"{prefix}.{e}.{short}"
+            target[row].copy_(draw(canonical, tensors[canonical], seed))
     reset_rope_buffers(model, model.cfg)

@@ -23,6 +23,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from .cache import LayerCache, causal_mask_TL
+from .logits import track_max_logits
 from .rope import RMSNorm, apply_rotary
 
 __all__ = ["MLA"]
@@ -52,10 +53,12 @@ class MLA(nn.Module):
         self.q_lora = bool(cfg.q_lora_rank)
         yarn = cfg.yarn   # None: SDPA's own (N + R)^-0.5
         self.softmax_scale = qk_dim ** -0.5 * yarn.softmax_scale_factor if yarn else None
+        self.max_logit_H = None      # MuonClip's statistic, a tensor under train.qk_clip (logits.py)
 
-    def forward(self, x_BSD, cos_SR, sin_SR, cache: LayerCache | None = None):
+    def forward(self, x_BSD, cos_SR, sin_SR, cache: LayerCache | None = None, mask=None):
         """`cache` (decoding): x_BSD holds the S positions after the cached ones, cos/sin are
-        theirs; the cache keeps each position's normalised kv latent and rotated key part."""
+        theirs; the cache keeps each position's normalised kv latent and rotated key part.
+        `mask` [B, 1, S, S] (packed documents, layers/documents.py): in place of causal."""
         batch, seq, _ = x_BSD.shape
         q = self.q_b_proj(self.q_a_norm(self.q_a_proj(x_BSD))) if self.q_lora else self.q_proj(x_BSD)
         q_BHSq = q.view(batch, seq, self.num_heads, -1).transpose(1, 2)
@@ -69,20 +72,23 @@ class MLA(nn.Module):
             start = cache.length
             kv_BLC, k_rot_BLR = cache.extend(1, kv_BSC, k_rot_B1SR.squeeze(1))
             if start > 0:
-                o_BHSV = self._latent_attention(q_nope, q_rot, kv_BLC, k_rot_BLR, start)
+                o_BHSV = self._latent_attention(q_nope, q_rot, kv_BLC, k_rot_BLR, start, mask)
                 return self.o_proj(o_BHSV.transpose(1, 2).reshape(batch, seq, -1))
         kv_BHSx = self.kv_b_proj(kv_BSC).view(batch, seq, self.num_heads, -1).transpose(1, 2)
         k_nope, v_BHSV = kv_BHSx.split([self.nope, self.v_dim], dim=-1)
         q_BHSq = torch.cat([q_nope, q_rot], dim=-1)
         k_BHSq = torch.cat([k_nope, k_rot_B1SR.expand(-1, self.num_heads, -1, -1)], dim=-1)
-        o_BHSV = F.scaled_dot_product_attention(q_BHSq, k_BHSq, v_BHSV, is_causal=True,
-                                               scale=self.softmax_scale)
+        track_max_logits(self, q_BHSq, k_BHSq, self.softmax_scale, mask_B1SS=mask)
+        o_BHSV = F.scaled_dot_product_attention(q_BHSq, k_BHSq, v_BHSV, attn_mask=mask,
+                                               is_causal=mask is None, scale=self.softmax_scale)
         return self.o_proj(o_BHSV.transpose(1, 2).reshape(batch, seq, -1))
 
-    def _latent_attention(self, q_nope_BHSN, q_rot_BHSR, kv_BLC, k_rot_BLR, start: int):
+    def _latent_attention(self, q_nope_BHSN, q_rot_BHSR, kv_BLC, k_rot_BLR, start: int,
+                          mask_B1SL=None):
         """Attention of S new queries over L cached positions without expanding their keys and
         values: q_nope . (W_k c) = (q_nope W_k) . c, and sum_l p_l (W_v c_l) = W_v (sum_l p_l c_l),
-        with W_k, W_v the per-head blocks of kv_b_proj [H, N + V, C]. Returns o [B, H, S, V]."""
+        with W_k, W_v the per-head blocks of kv_b_proj [H, N + V, C]. Returns o [B, H, S, V].
+        `mask_B1SL` (documents): who sees whom, in place of causal."""
         w_HxC = self.kv_b_proj.weight.view(self.num_heads, self.nope + self.v_dim, -1)
         w_k_HNC, w_v_HVC = w_HxC.split([self.nope, self.v_dim], dim=1)
         q_lat_BHSC = torch.einsum("bhsn,hnc->bhsc", q_nope_BHSN, w_k_HNC)
@@ -91,7 +97,8 @@ class MLA(nn.Module):
         scale = self.softmax_scale or (self.nope + self.rope) ** -0.5
         scores_BHSL = scores_BHSL.float() * scale if scores_BHSL.dtype.itemsize < 4 else \
             scores_BHSL * scale
-        mask_SL = causal_mask_TL(start, q_nope_BHSN.shape[2], scores_BHSL.device)
+        mask_SL = causal_mask_TL(start, q_nope_BHSN.shape[2], scores_BHSL.device) \
+            if mask_B1SL is None else mask_B1SL
         if mask_SL is not None:
             scores_BHSL = scores_BHSL.masked_fill(~mask_SL, float("-inf"))
         probs_BHSL = torch.softmax(scores_BHSL, dim=-1).to(kv_BLC.dtype)

@@ -19,10 +19,12 @@ from torch import nn
 from .attention import Attention
 from .balance import BalanceStep, MicroBalance
 from .cache import KVCache, LayerCache
+from .documents import Documents, build_documents
 from .experts import ACTIVATIONS, FeedForward
 from .init import init_weights
 from .mla import MLA
 from .moe import MoE
+from .mtp import MTPLayer, MTPMicro, mtp_forward
 from .rope import RMSNorm, YaRN, model_rotary_tables
 from .router import RouterConfig, check_number
 
@@ -40,7 +42,8 @@ _LARGEST = {"vocab_size": 1 << 24, "dim": 1 << 16, "num_layers": 1024, "num_head
             "first_k_dense": 1024, "moe_every": 1024, "moe_offset": 1024,
             "num_shared_experts": 1 << 10, "shared_ffn_dim": 1 << 20, "q_lora_rank": 1 << 16,
             "kv_lora_rank": 1 << 16, "qk_nope_head_dim": 1 << 12, "qk_rope_head_dim": 1 << 12,
-            "v_head_dim": 1 << 12, "max_seq_len": 1 << 22, "rope_original_max_seq_len": 1 << 22}
+            "v_head_dim": 1 << 12, "max_seq_len": 1 << 22, "rope_original_max_seq_len": 1 << 22,
+            "mtp_layers": 64}
 
 
 @dataclass
@@ -86,6 +89,7 @@ class ModelConfig:
     rope_truncate: bool = True     # yarn: round the frequency ramp's ends to whole dims
     norm_eps: float = 1e-5
     init_std: float = 0.02
+    mtp_layers: int = 0            # DeepSeek-V3 multi-token prediction depths (layers/mtp.py)
 
     def __post_init__(self):
         for name in ("vocab_size", "dim", "num_layers", "num_heads", "num_kv_heads", "ffn_dim",
@@ -94,7 +98,7 @@ class ModelConfig:
                 raise ValueError(f"model.{name}={getattr(self, name)} must be >= 1")
         # num_experts = 0: every layer dense (a dense baseline at the MoE model's active size)
         for name in ("head_dim", "first_k_dense", "num_shared_experts", "shared_ffn_dim",
-                     "num_experts"):
+                     "num_experts", "mtp_layers"):
             if getattr(self, name) < 0:
                 raise ValueError(f"model.{name}={getattr(self, name)} must be >= 0")
         for name, most in _LARGEST.items():   # beyond these no build finishes (or fits)
@@ -165,6 +169,11 @@ class ModelConfig:
                     self.rope_beta_slow, self.rope_mscale, self.rope_mscale_all_dim,
                     self.rope_attention_factor, self.rope_truncate)
 
+    @property
+    def mtp_layer_ids(self) -> list[int]:
+        """The model layer number of each MTP depth's block (after the main layers, as HF's)."""
+        return list(range(self.num_layers, self.num_layers + self.mtp_layers))
+
     def is_moe_layer(self, i: int) -> bool:
         return (self.num_experts > 0 and i >= self.first_k_dense and i not in self.dense_layers
                 and (i - self.first_k_dense) % self.moe_every == self.moe_offset)
@@ -191,15 +200,19 @@ class Block(nn.Module):
             self.ffn = FeedForward(cfg.dim, cfg.ffn_dim, cfg.activation, cfg.init_std, out_std)
 
     def forward(self, x_BSD, cos_SHd, sin_SHd, balance: MicroBalance | None = None,
-                cache: LayerCache | None = None):
+                cache: LayerCache | None = None, docs: Documents | None = None):
         """Returns (x_BSD, moe_output or None). `balance`: the micro-batch's holder of a deferred
-        balance loss (layers/balance.py); positional, as activation recompute passes it."""
-        # Only decoding passes a cache (parallel/tensor.py's sequence-parallel attention takes none).
+        balance loss (layers/balance.py); positional, as activation recompute passes it.
+        `docs`: packed documents (layers/documents.py): attention mask, padding, documents."""
+        # Only decoding passes a cache (parallel/tensor.py's sequence-parallel attention takes
+        # none), only packed documents a mask; positional, as attention recompute passes them.
         extra = () if cache is None else (cache,)
+        if docs is not None:
+            extra = (cache, docs.mask_B1SS)
         h_BSD = x_BSD + self.attn(self.attn_norm(x_BSD), cos_SHd, sin_SHd, *extra)
         if self.is_moe:
             slot = None if balance is None else balance.slot(self.layer_id)
-            moe_out = self.ffn(self.ffn_norm(h_BSD), slot)
+            moe_out = self.ffn(self.ffn_norm(h_BSD), slot, *(() if docs is None else (docs,)))
             return h_BSD + moe_out.y, moe_out
         return h_BSD + self.ffn(self.ffn_norm(h_BSD)), None
 
@@ -232,6 +245,9 @@ class Transformer(nn.Module):
         nn.init.normal_(self.embed.weight, std=cfg.init_std)
         self.layers = nn.ModuleList(Block(cfg, router, i) for i in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.dim, cfg.norm_eps)
+        # Multi-token prediction: with the final norm and head (a pipeline's last stage).
+        self.mtp = (nn.ModuleList(MTPLayer(cfg, router, i, Block) for i in cfg.mtp_layer_ids)
+                    if cfg.mtp_layers else None)
         self.head = None
         if not cfg.tie_embeddings:
             self.head = nn.Linear(cfg.dim, cfg.vocab_size, bias=False)
@@ -260,22 +276,28 @@ class Transformer(nn.Module):
     def num_chunks(self) -> int:
         return 1 if self.chunk_slices is None else len(self.chunk_slices)
 
+    def blocks(self) -> list[Block]:
+        """This model's decoder blocks in layer order: its layers, then the MTP depths' blocks."""
+        return list(self.layers) + ([] if self.mtp is None else [m.block for m in self.mtp])
+
     def moe_layers(self) -> list[MoE]:
         """This model's MoE layers in layer order (the order its MoE outputs come back in)."""
-        return [block.ffn for block in self.layers if block.is_moe]
+        return [block.ffn for block in self.blocks() if block.is_moe]
 
     def moe_indices(self) -> list[int]:
         """Positions of this model's MoE layers among the whole model's (a pipeline stage holds
         some): where each one's step statistics belong."""
-        moe_ids = [i for i in range(self.cfg.num_layers) if self.cfg.is_moe_layer(i)]
-        return [moe_ids.index(block.layer_id) for block in self.layers if block.is_moe]
+        cfg = self.cfg
+        moe_ids = [i for i in range(cfg.num_layers + cfg.mtp_layers) if cfg.is_moe_layer(i)]
+        return [moe_ids.index(block.layer_id) for block in self.blocks() if block.is_moe]
 
     def set_aux_loss_scale(self, scale: float):
         for moe in self.moe_layers():
             moe.aux_loss_scale = scale
 
     def forward(self, x, balance: MicroBalance | None = None, *, cache: KVCache | None = None,
-                logits_to_keep: int = 0, chunk: int | None = None, head_fn=None):
+                logits_to_keep: int = 0, chunk: int | None = None, head_fn=None,
+                positions=None, documents=None, mtp: MTPMicro | None = None):
         """`x`: token ids [B, S], or the hidden states [B, S, D] a previous pipeline stage sent
         (this model holds no embedding, or runs a chunk after its first). Returns (logits, or the
         hidden states when this model or chunk does not end the model; the MoE outputs).
@@ -287,7 +309,16 @@ class Transformer(nn.Module):
         `chunk_slices` only. `head_fn(h_BSD, head_weight)` replaces the LM head, and its value the
         logits: the training loss reads the final norm's output and the head weight and never
         forms the logits (parallel/loss.py). It runs inside forward, so that wrappers that gather
-        parameters around forward and backward (FSDP2) see the head weight used there."""
+        parameters around forward and backward (FSDP2) see the head weight used there.
+        `positions`: int64 [S] or [B, S], each token's RoPE position (inside its document or
+        sequence; default start + arange(S)), each below model.max_seq_len. `documents`: int64
+        [B, S] document numbers of packed rows, -1 for padding (layers/documents.py): attention
+        stays within documents, positions restart at each (unless given), and the routers count
+        real tokens only, the sequence balance loss per document; after a non-empty cache,
+        [B, cached + S]: the cached positions' numbers too (decoding padded prompts).
+        `mtp` (training with model.mtp_layers, head_fn given): this micro-batch's MTPMicro; the
+        embedding output is filed in it, and the MTP depths run after the head, calling
+        head_fn(h, w, k) for depth k, their losses added to it (layers/mtp.py)."""
         last_chunk = chunk is None or chunk == self.num_chunks - 1
         start = 0 if cache is None else cache.length
         if self.embed is not None and not chunk:
@@ -295,16 +326,28 @@ class Transformer(nn.Module):
                 raise ValueError(f"sequence length {start + x.shape[1]} exceeds model.max_seq_len="
                                  f"{self.cfg.max_seq_len}")
             x = self.embed(x)
+            if mtp is not None:
+                mtp.embeds_BSD = x
         end = start + x.shape[1] * self.seq_split      # the rotary tables cover whole sequences
         alone = (balance is None and self.router_cfg.deferred_balance and torch.is_grad_enabled()
                  and self.chunk_slices is None)
         if alone:
             balance = MicroBalance()
-        cos, sin = self.rope_cos[start:end], self.rope_sin[start:end]
+        docs = None
+        if documents is not None:   # (after a cache: its positions' numbers, then the new ones)
+            docs = build_documents(documents, start)
+            positions = docs.positions_BS if positions is None else positions
+        if positions is None:
+            cos, sin = self.rope_cos[start:end], self.rope_sin[start:end]
+        else:   # a gather of the tables' rows; per row: [B, 1, S, Hd], broadcast over heads
+            cos, sin = self.rope_cos[positions], self.rope_sin[positions]
+            if positions.dim() == 2:
+                cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
         blocks = self.layers if chunk is None else self.layers[self.chunk_slices[chunk]]
         moe_outputs = []
         for i, block in enumerate(blocks):
-            x, moe_out = block(x, cos, sin, balance, None if cache is None else cache.layers[i])
+            x, moe_out = block(x, cos, sin, balance, None if cache is None else cache.layers[i],
+                               docs)
             if moe_out is not None:
                 moe_outputs.append(moe_out)
         if alone:
@@ -315,7 +358,12 @@ class Transformer(nn.Module):
         if logits_to_keep:
             x = x[:, -logits_to_keep:]
         if head_fn is not None:
-            return head_fn(self.final_hidden(x), self.head_weight), moe_outputs
+            h_BSD = self.final_hidden(x)
+            out = head_fn(h_BSD, self.head_weight)
+            if mtp is not None and self.mtp is not None:
+                moe_outputs += mtp_forward(self.mtp, h_BSD, mtp.embeds_BSD, cos, sin, balance,
+                                           head_fn, self.head_weight, mtp)
+            return out, moe_outputs
         return self.output(x), moe_outputs
 
     def new_cache(self, capacity: int | None = None) -> KVCache:

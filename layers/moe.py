@@ -124,16 +124,20 @@ class MoE(nn.Module):
                              f"{cfg.balance_scope!r} is injected, never returned as a number to "
                              "add: build the MoE layer with aux_loss_scale set")
 
-    def forward(self, x, balance: BalanceSlot | None = None) -> MoEOutput:
+    def forward(self, x, balance: BalanceSlot | None = None, docs=None) -> MoEOutput:
         """`balance`: this layer's slot of the micro-batch's holder (layers/balance.py), for a
         deferred balance loss; without one (a layer used alone) the layer's own tokens are the
-        whole micro-batch and it finishes the loss itself."""
+        whole micro-batch and it finishes the loss itself. `docs`: packed documents
+        (layers/documents.py) of x's [B, S] tokens: padding routed nowhere and counted nowhere,
+        the sequence balance loss per document."""
         if x.shape[-1] != self.dim:
             raise ValueError(f"MoE expects [..., {self.dim}], got {tuple(x.shape)}")
         seq_len = x.shape[-2] if x.dim() >= 2 else 1
         x_TD = x.reshape(-1, self.dim)
         # Through the modules' own calls, so their hooks (FSDP unshard) run as usual.
-        routing, losses, stats = self.router(x_TD, seq_len=seq_len if x.dim() > 2 else None)
+        packed = {} if docs is None else {"valid_T": docs.valid_T, "doc_T": docs.doc_T}
+        routing, losses, stats = self.router(x_TD, seq_len=seq_len if x.dim() > 2 else None,
+                                             **packed)
         x_RD, plan = self.dispatcher.dispatch(x_TD, routing)
         weight_N = routing.weight_N
         if self.aux_loss_scale is not None:

@@ -24,8 +24,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .balance import (BALANCE_LOSSES, BALANCE_SCOPES, BalanceParts, expert_counts,
-                      sequence_balance_loss, switch_balance_loss, z_loss)
+from .balance import (BALANCE_LOSSES, BALANCE_SCOPES, BalanceParts, document_balance_loss,
+                      expert_counts, sequence_balance_loss, switch_balance_loss, z_loss)
 
 __all__ = ["RouterConfig", "Routing", "RouterLosses", "RoutingStats", "RouterOutput", "TopKRouter",
            "ExpertChoiceRouter", "build_router", "capacity", "expert_counts", "switch_balance_loss",
@@ -229,8 +229,12 @@ class TopKRouter(RouterBase):
             choice_TE = choice_TGe.masked_fill(~keep_TG[..., None], float("-inf")).view(num_tokens, -1)
         return choice_TE.topk(self.top_k, dim=-1).indices
 
-    def forward(self, x_TD, seq_len: int | None = None) -> "RouterOutput":
-        """(Routing, RouterLosses, RoutingStats) for one capacity group of T tokens."""
+    def forward(self, x_TD, seq_len: int | None = None, valid_T=None,
+                doc_T=None) -> "RouterOutput":
+        """(Routing, RouterLosses, RoutingStats) for one capacity group of T tokens. Packed
+        documents (layers/documents.py): `valid_T` marks real tokens (padding takes no expert
+        slot, is never sent and counts in no statistic or loss), `doc_T` each token's document
+        (the sequence balance loss per document)."""
         cfg, num_tokens = self.cfg, x_TD.shape[0]
         logits_TE = self.logits(x_TD)
         scores_TE = self.scores(logits_TE)
@@ -244,19 +248,26 @@ class TopKRouter(RouterBase):
 
         expert_N = experts_TK.flatten()
         weight_N = weights_TK.flatten()
+        valid_N = None if valid_T is None else valid_T.repeat_interleave(self.top_k)
         if cfg.capacity_factor is not None:
-            keep_N = self._keep(expert_N, weight_N.detach(), seq_len)
+            # (the tp router's _keep takes no padding: data.pad is refused with tp > 1)
+            packed = () if valid_N is None else (valid_N,)
+            keep_N = self._keep(expert_N, weight_N.detach(), seq_len, *packed)
             expert_N = torch.where(keep_N, expert_N, self.num_experts)
+        elif valid_N is not None:
+            expert_N = torch.where(valid_N, expert_N, self.num_experts)   # padding: not sent
         token_N = torch.arange(num_tokens, device=x_TD.device).repeat_interleave(self.top_k)
-        routing = Routing(token_N, expert_N, weight_N, self.top_k, cfg.capacity_factor is None)
+        routing = Routing(token_N, expert_N, weight_N, self.top_k,
+                          cfg.capacity_factor is None and valid_T is None)
         return RouterOutput(routing, *self._losses(logits_TE, scores_TE, experts_TK, expert_N,
-                                                   seq_len))
+                                                   seq_len, valid_T, doc_T))
 
-    def _keep(self, expert_N, weight_N, seq_len: int):
-        """Capacity: True for the assignments kept (the group is this call's tokens)."""
+    def _keep(self, expert_N, weight_N, seq_len: int, valid_N=None):
+        """Capacity: True for the assignments kept (the group is this call's tokens; padding's
+        positions count in the capacity, but padding is kept by no expert)."""
         cap = capacity(expert_N.numel() // self.top_k, self.top_k, self.cfg.capacity_factor,
                        self.num_experts)
-        return self._within_capacity(expert_N, weight_N, cap)
+        return self._within_capacity(expert_N, weight_N, cap, valid_N)
 
     def balance_probs(self, scores_TE):
         """The distribution over experts the balance losses see: sigmoid scores normalised."""
@@ -264,19 +275,27 @@ class TopKRouter(RouterBase):
             return scores_TE
         return scores_TE / (scores_TE.sum(-1, keepdim=True) + 1e-20)
 
-    def _losses(self, logits_TE, scores_TE, experts_TK, expert_N, seq_len: int):
+    def _losses(self, logits_TE, scores_TE, experts_TK, expert_N, seq_len: int, valid_T=None,
+                doc_T=None):
         cfg = self.cfg
         probs_TE = self.balance_probs(scores_TE)
-        counts_E = expert_counts(experts_TK, self.num_experts)   # the loss's and the stats'
-        balance, seq_balance, z, parts = self._loss_values(probs_TE, experts_TK, logits_TE,
-                                                           counts_E, seq_len)
+        # the loss's and the stats' (real tokens only, when packed with padding)
+        counts_E = expert_counts(experts_TK, self.num_experts, valid_T=valid_T)
+        if valid_T is not None:
+            balance, seq_balance, z, parts = self._packed_loss_values(
+                probs_TE, experts_TK, logits_TE, counts_E, valid_T, doc_T)
+            dropped = ((expert_N == self.num_experts) & valid_T.repeat_interleave(self.top_k))
+            assignments = valid_T.sum() * self.top_k
+        else:
+            balance, seq_balance, z, parts = self._loss_values(probs_TE, experts_TK, logits_TE,
+                                                               counts_E, seq_len)
+            dropped, assignments = expert_N == self.num_experts, expert_N.numel()
         terms = [c * loss for c, loss in ((self.call_balance_coeff, balance),
                                           (cfg.seq_balance_coeff, seq_balance),
                                           (cfg.z_coeff, z)) if c]
         total = sum(terms[1:], terms[0]) if terms else balance.detach() * 0.0
         losses = RouterLosses(total, balance.detach(), seq_balance.detach(), z.detach(), parts)
-        stats = RoutingStats(counts_E.to(torch.float32), (expert_N == self.num_experts).sum(),
-                             expert_N.numel())
+        stats = RoutingStats(counts_E.to(torch.float32), dropped.sum(), assignments)
         return losses, stats
 
     def _loss_values(self, probs_TE, experts_TK, logits_TE, counts_E, seq_len: int):
@@ -296,8 +315,21 @@ class TopKRouter(RouterBase):
             if self.deferred_balance else None
         return balance, seq_balance, z, parts
 
-    def _within_capacity(self, expert_N, weight_N, cap: int):
-        """True for the assignments each expert keeps: its `cap` best by the drop policy."""
+    def _packed_loss_values(self, probs_TE, experts_TK, logits_TE, counts_E, valid_T, doc_T):
+        """_loss_values of packed documents: over real tokens, the sequence loss per document."""
+        cfg = self.cfg
+        balance = _logged_unless(self.call_balance_coeff, switch_balance_loss, probs_TE,
+                                 experts_TK, counts_E, valid_T)
+        seq_balance = _logged_unless(cfg.seq_balance_coeff, document_balance_loss, probs_TE,
+                                     experts_TK, doc_T, valid_T)
+        z = _logged_unless(cfg.z_coeff, z_loss, logits_TE, valid_T)
+        parts = BalanceParts(counts_E.to(torch.float64), (probs_TE * valid_T[:, None]).sum(0),
+                             valid_T.sum()) if self.deferred_balance else None
+        return balance, seq_balance, z, parts
+
+    def _within_capacity(self, expert_N, weight_N, cap: int, valid_N=None):
+        """True for the assignments each expert keeps: its `cap` best by the drop policy;
+        never padding (`valid_N` False: ranked after every real assignment)."""
         num_assign = expert_N.numel()
         if self.cfg.drop_policy == "probs":
             # Rank by the weight on a 2^-20 grid, ties to the earlier token. Repeated text puts the
@@ -305,7 +337,12 @@ class TopKRouter(RouterBase):
             # equal up to rounding (seen: 3e-17 apart at the capacity boundary), and without the
             # grid any change of summation order (another layout, kernel or reduction) flips
             # which copy is dropped.
-            priority_N = torch.argsort(torch.round(weight_N * 2.0 ** 20), descending=True, stable=True)
+            grid_N = torch.round(weight_N * 2.0 ** 20)
+            if valid_N is not None:      # weights are >= 0: padding ranks last
+                grid_N = grid_N.where(valid_N, -1.0)
+            priority_N = torch.argsort(grid_N, descending=True, stable=True)
+        elif valid_N is not None:   # position: earlier real tokens first, then padding
+            priority_N = torch.argsort((~valid_N).to(torch.uint8), stable=True)
         else:  # position: earlier tokens first
             priority_N = torch.arange(num_assign, device=expert_N.device)
         expert_sorted, idx = torch.sort(expert_N[priority_N], stable=True)
@@ -315,7 +352,7 @@ class TopKRouter(RouterBase):
             self.num_experts, device=expert_N.device, dtype=expert_sorted.dtype))
         rank_N = torch.empty_like(expert_N)
         rank_N[order_N] = torch.arange(num_assign, device=expert_N.device) - starts_E[expert_sorted]
-        return rank_N < cap
+        return rank_N < cap if valid_N is None else (rank_N < cap) & valid_N
 
     @torch.no_grad()
     def update_bias(self, tokens_per_expert_E: torch.Tensor):

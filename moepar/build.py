@@ -8,12 +8,15 @@ import os
 import torch
 
 from moepar.config import RunConfig
+from moepar.expert_placement import build_expert_maps
 from moepar.layers import Transformer
 from moepar.parallel import Options, ParallelDims, ParallelOptions, parallelize
 from moepar.parallel.adamw import AdamW
+from moepar.parallel.hierarchical import node_layout
+from moepar.parallel.muon import Muon
 from moepar.parallel.schedules import check_schedule
 
-__all__ = ["build_dims", "build_engine", "adamw_factory", "PARAM_DTYPES", "COMPUTE_DTYPES",
+__all__ = ["build_dims", "build_engine", "adamw_factory", "muon_factory", "PARAM_DTYPES", "COMPUTE_DTYPES",
            "STATE_DTYPES"]
 
 # The masters (what the optimizer steps and checkpoints hold) per train.dtype, and the compute
@@ -42,12 +45,31 @@ def adamw_factory(cfg, fused: bool = False):
     return make
 
 
+def muon_factory(cfg):
+    """make_muon(muon, decay, no_decay, layouts) for train.optimizer="muon", else None: Muon on
+    the matrices (weight decay), AdamW on the embedding and head (decay) and 1-D parameters
+    (none), one learning rate (parallel/muon.py)."""
+    if cfg.optimizer != "muon":
+        return None
+
+    def make(muon, decay, no_decay, layouts):
+        groups = [{"params": muon, "weight_decay": cfg.weight_decay, "muon": True},
+                  {"params": decay, "weight_decay": cfg.weight_decay},
+                  {"params": no_decay, "weight_decay": 0.0}]
+        return Muon(groups, layouts, lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), eps=cfg.eps,
+                    momentum=cfg.muon_momentum, nesterov=cfg.muon_nesterov,
+                    ns_steps=cfg.muon_ns_steps)
+    return make
+
+
 def build_dims(cfg: RunConfig, world_size: int) -> ParallelDims:
     """The layout for this world, validated against the batch sizes; raises before any collective."""
     p = cfg.parallel
-    node = p.gpus_per_node or int(os.environ.get("LOCAL_WORLD_SIZE", 0))
     dims = ParallelDims.resolve(world_size, p.pp, p.dp, p.tp, p.ep, cfg.model.num_experts,
-                                gpus_per_node=node if node < world_size else 0)
+                                gpus_per_node=_ranks_per_node(cfg, world_size))
+    if p.dispatcher == "hierarchical":     # the nodes the launcher gave, before any collective
+        node_layout(dims.ep, dims.gpus_per_node, cfg.model.num_experts, cfg.router.n_group)
+    build_expert_maps(cfg, dims.ep)    # a bad placement file or load raises here, on every rank
     t = cfg.train
     if t.global_batch_size % (t.micro_batch_size * dims.dp):
         raise ValueError(f"train.global_batch_size={t.global_batch_size} must be a multiple of "
@@ -64,6 +86,11 @@ def build_dims(cfg: RunConfig, world_size: int) -> ParallelDims:
     return dims
 
 
+def _ranks_per_node(cfg: RunConfig, world_size: int) -> int:
+    node = cfg.parallel.gpus_per_node or int(os.environ.get("LOCAL_WORLD_SIZE", 0))
+    return node if node < world_size else 0
+
+
 def build_engine(cfg: RunConfig, layout, device, num_local_micro: int, materialize: bool = True,
                  training: bool = True):
     """The parallel model of `cfg` on `layout` (training, `moepar eval`, the memory simulation):
@@ -75,9 +102,11 @@ def build_engine(cfg: RunConfig, layout, device, num_local_micro: int, materiali
         model = Transformer(cfg.model, cfg.router, seed=t.seed)
     model = model.to(PARAM_DTYPES[t.dtype])
     options = Options(ParallelOptions.of(cfg.parallel), adamw_factory(t, fused=device.type == "cuda"),
-                      num_micro=num_local_micro, vocab_size=cfg.model.vocab_size,
+                      make_muon=muon_factory(t), qk_clip=t.qk_clip, num_micro=num_local_micro, vocab_size=cfg.model.vocab_size,
                       seq_len=t.seq_len, recompute=t.recompute,
                       compile=t.compile, compile_backend=t.compile_backend,
                       compute_dtype=COMPUTE_DTYPES.get(t.dtype), fp32_residual=t.fp32_residual,
-                      seed=t.seed, materialize=materialize, training=training)
+                      seed=t.seed, materialize=materialize, training=training,
+                      expert_maps=build_expert_maps(cfg, layout.dims.ep, layout.dims.gpus_per_node),
+                      mtp_coeff=t.mtp_coeff)
     return parallelize(model, layout, options)

@@ -2,7 +2,7 @@
 
     moepar train CONFIG.toml [--nproc N] [--section.key=value ...]
     moepar convert --from hf|moepar SRC --to moepar|hf DST [--arch NAME]
-    moepar bench moe-layer|dispatch|memory|pipeline|checkpoint|train|traffic [options]
+    moepar bench moe-layer|dispatch|memory|pipeline|checkpoint|train|traffic|optimizer [options]
 
 Every command has `--help`. This file only dispatches; each command parses its own arguments.
 """
@@ -25,7 +25,7 @@ COMMANDS = {
     "plan": ("moepar.plan.cli", "choose a layout for a model on N GPUs: memory and step time"),
     "eval": ("moepar.infer.evaluate", "validation loss and perplexity of a run or checkpoint"),
     "generate": ("moepar.infer.generate", "continue a prompt: a run, checkpoint or HF folder"),
-    "bench": ("moepar.bench", "benchmarks: moe-layer, dispatch, memory, pipeline, checkpoint, train, traffic"),
+    "bench": ("moepar.bench", "benchmarks: moe-layer, dispatch, memory, pipeline, checkpoint, train, traffic, optimizer"),
 }
 
 

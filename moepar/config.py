@@ -21,6 +21,7 @@ from moepar.layers.router import RouterConfig, check_number
 from moepar.parallel.checkpointing import RECOMPUTE
 from moepar.parallel.compile import COMPILE_BACKENDS
 from moepar.parallel.expert import DISPATCHERS
+from moepar.parallel.hierarchical import node_layout
 from moepar.parallel.pipeline import split_layers
 from moepar.parallel.schedules import SCHEDULES
 from moepar.parallel.tensor import check_tp
@@ -34,6 +35,7 @@ OPTIM_STATE_DTYPES = ("float32", "bfloat16")
 # Keys an older moepar read, and what says the same now (a config that sets one is refused with this).
 RENAMED = {"parallel.dedup": 'set parallel.dispatcher = "dedup" (the dispatcher kinds are one key)'}
 DATA_SOURCES = ("builtin", "text", "tokens")
+DATA_PACKS = ("none", "documents")
 TOKEN_DTYPES = ("uint8", "uint16", "int32", "int64")
 MAX_COUNT = 1 << 53       # steps and positions: a checkpoint stores them as JSON numbers
 
@@ -56,7 +58,7 @@ class ParallelConfig:
     pp: int = 1
     ep: int = 1
     zero: int = 0                # 0 DDP; ZeRO 1 (optimizer state), 2 (+ gradients), 3 (+ parameters)
-    dispatcher: str = "alltoall"  # under ep > 1: alltoall, dedup (a token once per EP rank), allgather
+    dispatcher: str = "alltoall"  # ep > 1: alltoall, dedup (once per EP rank), allgather, hierarchical (once per node)
     debug_splits: bool = False   # check all-to-all split sizes across ranks (raises, never hangs)
     a2a_chunks: int = 1          # alltoall: expert chunks pipelined between async all-to-alls
     backend: str = "auto"        # process group backend: auto (nccl on CUDA, else gloo), gloo, nccl
@@ -67,6 +69,11 @@ class ParallelConfig:
     pp_layers: list[int] = field(default_factory=list)   # layers per chunk; empty: balanced
     timeout_s: float = 600.0     # seconds any collective may wait before the job fails
     gpus_per_node: int = 0       # ranks per node; 0: LOCAL_WORLD_SIZE from the launcher, else one node
+    expert_placement: str = "contiguous"  # experts on EP ranks: contiguous, balanced, a JSON's path
+    expert_replicas: int = 0     # replica slots per EP rank for hot experts (balanced, a file)
+    placement_from: str = ""     # balanced: the run whose expert_load.jsonl gives the load
+    placement_window: int = 0    # balanced: the last N recorded steps of that load; 0: all of them
+    replace_every: int = 0       # re-place experts (balanced) every K steps from their load; 0: never
 
     def __post_init__(self):
         if self.dp < 0:
@@ -100,13 +107,42 @@ class ParallelConfig:
         check_number("parallel.timeout_s", self.timeout_s, strict=True)
         if self.gpus_per_node < 0:
             raise ValueError(f"parallel.gpus_per_node={self.gpus_per_node} must be >= 0")
+        self._check_placement()
         if self.backend not in ("auto", "gloo", "nccl"):
             raise ValueError(f"parallel.backend={self.backend!r} is not one of 'auto', 'gloo', 'nccl'")
         # timeout_s: a datetime.timedelta overflows past ~10^14 s; 30 days is already no timeout
         check_at_most("parallel", self, {"dp": 1 << 20, "tp": 1 << 16, "pp": 1 << 12, "ep": 1 << 16,
                                          "a2a_chunks": 1 << 12, "pp_virtual": 1 << 12,
                                          "bucket_mb": 1 << 20, "timeout_s": 30 * 86400,
-                                         "gpus_per_node": 1 << 12})
+                                         "gpus_per_node": 1 << 12, "expert_replicas": 1 << 12,
+                                         "placement_window": 1 << 40, "replace_every": 1 << 40})
+
+    def _check_placement(self):
+        p = self.expert_placement
+        if not p:
+            raise ValueError("parallel.expert_placement is empty: give 'contiguous', 'balanced' "
+                             "or the path of a placement JSON file")
+        if min(self.expert_replicas, self.placement_window, self.replace_every) < 0:
+            raise ValueError(f"parallel.expert_replicas={self.expert_replicas}, "
+                             f"parallel.placement_window={self.placement_window} and "
+                             f"parallel.replace_every={self.replace_every} must be >= 0")
+        if self.dispatcher == "hierarchical" and (p != "contiguous" or self.replace_every):
+            raise ValueError(f"parallel.dispatcher='hierarchical' needs parallel.expert_placement="
+                             f"'contiguous' and no parallel.replace_every (its router groups are "
+                             f"aligned to nodes by expert id), not {p!r}")
+        if self.replace_every and self.zero:
+            raise ValueError(f"parallel.replace_every={self.replace_every} needs parallel.zero=0, "
+                             f"not {self.zero}: ZeRO shards the experts' rows by position")
+        if p == "balanced" and not self.placement_from:
+            raise ValueError("parallel.expert_placement='balanced' needs parallel.placement_from: "
+                             "the run directory whose expert_load.jsonl gives the measured load")
+        if self.placement_from and p != "balanced":
+            raise ValueError(f"parallel.placement_from={self.placement_from!r} is only read by "
+                             f"parallel.expert_placement='balanced', not {p!r}")
+        if self.expert_replicas and p == "contiguous":
+            raise ValueError(f"parallel.expert_replicas={self.expert_replicas} needs "
+                             "parallel.expert_placement='balanced' or a placement file: the "
+                             "contiguous placement has no replica slots")
 
 
 @dataclass
@@ -125,6 +161,11 @@ class TrainConfig:
     grad_clip: float = 1.0         # max global grad norm; 0 disables clipping
     dtype: str = "float32"         # float32, bfloat16 or float16 (float32 masters), float64 (exact tests)
     optim_state_dtype: str = "float32"  # AdamW moments: float32, or bfloat16 (half the state; maths stays float32)
+    optimizer: str = "adamw"       # adamw, or muon (matrices; AdamW for embedding, head, 1-D: docs/optimizers.md)
+    muon_momentum: float = 0.95    # muon: momentum of the buffer Newton-Schulz orthogonalizes
+    muon_nesterov: bool = True     # muon: orthogonalize the Nesterov blend of gradient and momentum
+    muon_ns_steps: int = 5         # muon: Newton-Schulz iterations (coefficients 3.4445, -4.7750, 2.0315)
+    qk_clip: float = 0.0           # MuonClip's tau (Kimi K2: 100): clip W_q, W_k of heads whose max logit passed it; 0 off
     fp32_residual: bool = False    # bfloat16/float16: keep the residual stream float32 (autocast at matmuls)
     loss_scale: float = 0.0        # float16: initial dynamic scale (0: 2^16); else > 0: fixed scale
     activation_checkpointing: bool = False  # the older spelling of recompute = "full"
@@ -137,6 +178,7 @@ class TrainConfig:
     max_skipped_steps: int = 5     # more consecutive skipped steps than this: the run has diverged, stop
     eval_every: int = 0            # steps between validation losses (and the last step); 0: none
     eval_batches: int = 1          # global batches (global_batch_size sequences) per validation
+    mtp_coeff: float = 0.3         # weight of the mean MTP loss (model.mtp_layers; DeepSeek-V3: 0.3, later 0.1)
 
     def __post_init__(self):
         for name in ("steps", "micro_batch_size", "global_batch_size", "seq_len", "eval_batches"):
@@ -152,6 +194,16 @@ class TrainConfig:
         if self.optim_state_dtype not in OPTIM_STATE_DTYPES:
             raise ValueError(f"train.optim_state_dtype={self.optim_state_dtype!r} is not one of "
                              f"{OPTIM_STATE_DTYPES} (the dtype AdamW stores its moments in)")
+        if self.optimizer not in ("adamw", "muon"):
+            raise ValueError(f"train.optimizer={self.optimizer!r} is not one of 'adamw', 'muon'")
+        if self.optimizer == "muon" and self.optim_state_dtype != "float32":
+            raise ValueError(f"train.optim_state_dtype={self.optim_state_dtype!r} is for AdamW "
+                             "alone; train.optimizer='muon' keeps its state float32")
+        if not 0 <= self.muon_momentum < 1:
+            raise ValueError(f"train.muon_momentum={self.muon_momentum} must be in [0, 1)")
+        check_number("train.qk_clip", self.qk_clip)
+        if not 1 <= self.muon_ns_steps <= 20:
+            raise ValueError(f"train.muon_ns_steps={self.muon_ns_steps} must be in [1, 20]")
         if self.device not in ("auto", "cpu", "cuda"):
             raise ValueError(f"train.device={self.device!r} is not one of 'auto', 'cpu', 'cuda'")
         if self.recompute not in RECOMPUTE:
@@ -171,7 +223,7 @@ class TrainConfig:
         check_number("train.lr", self.lr, strict=True)
         if not 0 <= self.min_lr_ratio <= 1:
             raise ValueError(f"train.min_lr_ratio={self.min_lr_ratio} must be in [0, 1]")
-        for name in ("warmup_steps", "weight_decay", "grad_clip", "eps", "loss_scale"):
+        for name in ("warmup_steps", "weight_decay", "grad_clip", "eps", "loss_scale", "mtp_coeff"):
             check_number(f"train.{name}", getattr(self, name))
         for name in ("beta1", "beta2"):
             if not 0 <= getattr(self, name) < 1:
@@ -202,10 +254,21 @@ class DataConfig:
     paths: list[str] = field(default_factory=list)   # tokens: several folders/files to blend
     weights: list[float] = field(default_factory=list)   # share of each data.paths entry; [] = by size
     token_dtype: str = "uint16"  # for raw token files
+    pack: str = "none"        # "documents": attention, RoPE and balance within documents (docs/data.md)
+    pad: bool = False         # with pack: windows of whole documents, padded (fine-tuning data)
 
     def __post_init__(self):
         if self.source not in DATA_SOURCES:
             raise ValueError(f"data.source={self.source!r} is not one of {DATA_SOURCES}")
+        if self.pack not in DATA_PACKS:
+            raise ValueError(f"data.pack={self.pack!r} is not one of {DATA_PACKS}")
+        if self.pad and self.pack != "documents":
+            raise ValueError("data.pad=true needs data.pack='documents' (padding is told apart "
+                             "by its document number)")
+        if self.pack != "none" and (self.source != "tokens" or not self.path):
+            raise ValueError(f"data.pack={self.pack!r} reads the document boundaries of one "
+                             "prepared folder: set data.source='tokens' and data.path (blends "
+                             "of data.paths are not packed yet)")
         if self.token_dtype not in TOKEN_DTYPES:
             raise ValueError(f"data.token_dtype={self.token_dtype!r} is not one of {TOKEN_DTYPES}")
         for name in ("path", "paths", "weights"):
@@ -321,8 +384,21 @@ class RunConfig:
                 raise ValueError(f"router.type={self.router.type!r} with parallel.tp={p.tp} is not "
                                  "supported (each expert would need every slice's scores); use "
                                  "router.type='topk'")
+        if self.model.mtp_layers and p.tp > 1:
+            raise ValueError(f"model.mtp_layers={self.model.mtp_layers} with parallel.tp={p.tp} is "
+                             "not supported (the MTP blocks are not tensor-parallel); use "
+                             "parallel.tp=1 or model.mtp_layers=0")
+        if self.model.mtp_layers >= self.train.seq_len:
+            raise ValueError(f"model.mtp_layers={self.model.mtp_layers} must be < train.seq_len="
+                             f"{self.train.seq_len} (depth k predicts k+1 tokens ahead)")
+        if p.dispatcher == "hierarchical" and p.gpus_per_node:   # (0: the launcher's, build_dims)
+            node_layout(p.ep, p.gpus_per_node, self.model.num_experts, self.router.n_group)
         if p.pp == 1 and p.pp_virtual > 1:
             raise ValueError(f"parallel.pp_virtual={p.pp_virtual} needs parallel.pp > 1")
+        if self.train.qk_clip > 0 and self.model.qk_norm != "none":
+            raise ValueError(f"train.qk_clip={self.train.qk_clip} with model.qk_norm="
+                             f"{self.model.qk_norm!r}: the q/k norm undoes the clip's scaling of "
+                             "W_q and W_k; set one of them off")
         if self.train.seq_len > self.model.max_seq_len:
             raise ValueError(f"train.seq_len={self.train.seq_len} exceeds model.max_seq_len="
                              f"{self.model.max_seq_len}")
@@ -332,6 +408,16 @@ class RunConfig:
         if self.parallel.backend == "nccl" and self.train.device == "cpu":
             raise ValueError("parallel.backend='nccl' with train.device='cpu': NCCL needs CUDA "
                              "tensors; use parallel.backend='gloo' (or auto)")
+        if self.data.pack != "none" and p.tp > 1:
+            raise ValueError(f"data.pack={self.data.pack!r} with parallel.tp={p.tp}: packed "
+                             "documents run with tp = 1 for now (dp, ep, pp and zero compose)")
+        if self.data.pack != "none" and self.model.mtp_layers:
+            raise ValueError(f"data.pack={self.data.pack!r} with model.mtp_layers="
+                             f"{self.model.mtp_layers}: the MTP depths do not mask documents yet; "
+                             "use data.pack='none' or model.mtp_layers=0")
+        if self.data.pad and self.router.type != "topk":
+            raise ValueError(f"data.pad=true with router.type={self.router.type!r}: experts "
+                             "would choose padding; use router.type='topk'")
         if self.data.source in ("builtin", "text") and self.model.vocab_size < 256:
             raise ValueError(f"model.vocab_size={self.model.vocab_size} must be >= 256 for the "
                              f"byte-level tokenizer (data.source={self.data.source!r})")

@@ -48,7 +48,8 @@ LOAD_VERSION = 1
 
 def moe_layer_numbers(model_cfg) -> list[int]:
     """The model layer number of each StepStats row (first_k_dense, moe_every, ... applied)."""
-    return [i for i in range(model_cfg.num_layers) if model_cfg.is_moe_layer(i)]
+    ids = range(model_cfg.num_layers + model_cfg.mtp_layers)   # the MTP depths' blocks last
+    return [i for i in ids if model_cfg.is_moe_layer(i)]
 
 
 class StepStats:
@@ -58,6 +59,8 @@ class StepStats:
         self.assignments_L = torch.zeros(num_layers, dtype=torch.float64, device=device)
         # weighted balance (incl. sequence-level), weighted z, unweighted balance; summed over layers
         self.losses_3 = torch.zeros(3, dtype=torch.float64, device=device)
+        # the sum over micro-batches of their mean MTP loss (model.mtp_layers), unweighted
+        self.mtp_1 = torch.zeros(1, dtype=torch.float64, device=device)
         self.num_micro_batches = 0
 
     def add(self, moe_outputs, router_cfg, layers: list[int] | None = None, balance=None):
@@ -88,7 +91,7 @@ class StepStats:
         the loss lives on the last). Loads and drops are also summed over `slice_group` (tensor
         parallel ranks each route a slice of the sequence; their losses are already the whole
         micro-batch's). Every rank calls this, MoE layers or not, in the same order."""
-        parts = [self.tokens_LE, self.dropped_L, self.assignments_L, self.losses_3]
+        parts = [self.tokens_LE, self.dropped_L, self.assignments_L, self.losses_3, self.mtp_1]
         extra = list(extra)
         packed = [t.to(torch.float64) for t in extra]
         if slice_group is not None:

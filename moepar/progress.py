@@ -63,6 +63,7 @@ def progress_line(r: dict, total_steps: int, tokens_per_s: float, elapsed_s: flo
     eta = duration(eta_s) if eta_s is not None else "?"
     moe = "aux_loss" in r
     return (f"step {r['step']:>5}/{total_steps} | loss {r['loss']:.4f} | "
+            + (f"mtp {r['mtp_loss']:.4f} | " if "mtp_loss" in r else "")
             + (f"aux {r['aux_loss']:.4f} | z {r['z_loss']:.2e} | " if moe else "")
             + f"gnorm {r['grad_norm']:.3f} | lr {r['lr']:.2e} | {tokens_per_s / 1000:.1f}k tok/s | "
             + (f"load max/mean {r['max_load_ratio']:.2f} | drop {100 * r['drop_fraction']:.1f}% | "

@@ -35,6 +35,7 @@ from moepar.checkpoint import PendingSave, latest_checkpoint, load_checkpoint
 from moepar.cluster import check_shared_filesystem
 from moepar.config import RunConfig, to_dict
 from moepar.data.sources import build_sampler
+from moepar.expert_placement import Replacer, describe as describe_placement
 from moepar.layers.shapes import param_count
 from moepar.loss_scale import LossScaler
 from moepar.metrics import MetricsWriter, PendingMetrics, StepStats
@@ -132,6 +133,12 @@ class Trainer:
             self.log(f"initialised weights from {cfg.run.init_from}")
         if self.dims.gpus_per_node:
             self.log(f"nodes: {self.dims.describe_nodes()}")
+        placement = self.rank == 0 and describe_placement(cfg, self.dims.ep,
+                                                          self.dims.gpus_per_node)
+        if placement:
+            self.log(placement)
+        self.replacer = (Replacer(cfg, self.engine, self.dims.ep, self.dims.gpus_per_node)
+                         if cfg.parallel.replace_every and self.dims.ep > 1 else None)
         self.log(f"layout: {self.dims.describe()}; zero {cfg.parallel.zero}; "
                  f"{self.num_local_micro} micro-batch(es) of "
                  f"{tcfg.micro_batch_size} per rank per step; device {self.device}")
@@ -203,10 +210,25 @@ class Trainer:
         (under pp: zero except on the last stage; the step-end reduction sums over pp)."""
         base = self.sampler.position + self.first_micro
         batches = [self.sampler.batch(base + i) for i in range(self.num_local_micro)]
+        packed = {}
+        if getattr(self.sampler, "packed", False):   # data.pack: documents, weighted losses
+            packed = {"documents": [b[2] for b in batches], "weights": self._loss_weights()}
         loss_sum = self.engine.forward_backward([b[0] for b in batches], [b[1] for b in batches],
-                                                stats)
+                                                stats, **packed)
         self.sampler.position += self.num_micro
         return loss_sum
+
+    def _loss_weights(self) -> list[float]:
+        """Packed documents: each local micro-batch's mean loss times (its counted targets) x
+        (micro-batches per step) / (counted targets of the global batch), so that the step's
+        loss, once averaged over micro-batches and dp ranks as always, is the mean over every
+        counted token of the global batch, not a mean of means. Counts come from the document
+        ends alone (every rank computes the same ones, no collective)."""
+        position = self.sampler.position
+        counts = [self.sampler.counted(position + i) for i in range(self.num_micro)]
+        total = max(sum(counts), 1)
+        return [counts[self.first_micro + i] * self.num_micro / total
+                for i in range(self.num_local_micro)]
 
     def train_step(self) -> dict:
         """One optimizer step over this rank's micro-batches; returns the global metrics record.
@@ -223,8 +245,9 @@ class Trainer:
         flags = self._step_flags()
         # The step's one host sync: loss, grad norm and the two agreed flags together; clipping
         # follows it, so a step within the limit multiplies no gradient.
-        loss_sum_v, grad_norm, params_bad, stop = torch.cat(
-            [loss_sum.reshape(1).double(), grad_norm_t.reshape(1).double(), flags]).tolist()
+        loss_sum_v, grad_norm, params_bad, stop, mtp_sum = torch.cat(
+            [loss_sum.reshape(1).double(), grad_norm_t.reshape(1).double(), flags,
+             stats.mtp_1]).tolist()
         first = self._params_unchecked_from
         if self._params_check is not None:       # the updates so far were checked just now
             self._params_check = self._params_unchecked_from = None
@@ -276,6 +299,8 @@ class Trainer:
         # (metrics.PendingMetrics); `stats.summary()` reads them now.
         record = {"step": self.step, "loss": loss, "grad_norm": grad_norm, "lr": lr,
                   "tokens_per_s": tokens / elapsed, "skipped": skipped}
+        if self.cfg.model.mtp_layers:   # "loss" is the main model's; the trained one adds this
+            record["mtp_loss"] = mtp_sum / self.num_micro
         self.last_stats = stats
         return record
 
@@ -402,6 +427,10 @@ class Trainer:
                     records.append(record)
                     bias_LE = self.expert_bias_LE()   # every rank; expert_load.jsonl keeps it
                     pending.add(record, self.last_stats, bias_LE)
+                    if self.replacer is not None:     # every rank, between steps
+                        moved = self.replacer.after_step(self.step, self.last_stats.tokens_LE)
+                        if moved:
+                            self.log(moved)
                     every = cfg.run.checkpoint_every
                     log_due = self.step % (cfg.run.log_every or 1) == 0 or self.step == 1 or \
                         self.step == cfg.train.steps

@@ -8,6 +8,8 @@ dp rank i // local micro-batches) and runs forward only through the handle's run
 pipeline), each micro-batch one capacity group as in training. val_loss is the mean over the
 micro-batches of their mean cross-entropy (micro-batches have equal sizes: the mean per token),
 val_ppl = exp(val_loss); the figure does not depend on the layout (tests/dist/test_eval_parity.py).
+With data.pack='documents' the windows are cut into their documents (masks, positions, -100
+targets at document ends) and val_loss is the mean over the counted tokens.
 """
 
 import math
@@ -40,11 +42,27 @@ class Validation:
         first = dp_rank * local
         self.rounds = [batches[r * num_micro + first:r * num_micro + first + local]
                        for r in range(t.eval_batches)]
+        # Packed documents: each micro-batch's mean weighted by its counted targets, so that
+        # val_loss is the mean over every counted token (the training step's rule).
+        self.weights = None
+        if cfg.data.pack == "documents":
+            counts = [int((b[1] != -100).sum()) for b in batches]
+            total = max(sum(counts), 1)
+            weights = [c * self.num_micro / total for c in counts]
+            self.weights = [weights[r * num_micro + first:r * num_micro + first + local]
+                            for r in range(t.eval_batches)]
+
+    def _packed(self, i: int) -> dict:
+        """Round i's documents and loss weights (data.pack), or nothing."""
+        if self.weights is None:
+            return {}
+        return {"documents": [b[2] for b in self.rounds[i]], "weights": self.weights[i]}
 
     def due(self, step: int) -> bool:
         return bool(self.every) and (step % self.every == 0 or step == self.last)
 
     def run(self, engine) -> dict:
-        loss_sum = sum(engine.evaluate([x for x, _ in r], [y for _, y in r]) for r in self.rounds)
+        loss_sum = sum(engine.evaluate([b[0] for b in r], [b[1] for b in r], **self._packed(i))
+                       for i, r in enumerate(self.rounds))
         loss = float(loss_sum) / self.num_micro      # the one host sync
         return {"val_loss": loss, "val_ppl": perplexity(loss)}

@@ -26,10 +26,12 @@ from .expert import apply_ep
 from .handle import ParallelModel
 from .local_runner import LocalRunner
 from .loss import build_loss
+from .muon import ShardedMuon, build_layouts
 from .pipeline import apply_pp
 from .pipeline_runner import PipelineRunner
 from .placement import materialize
 from .precision import Masters, Precision
+from .qkclip import QKClip
 from .tensor import apply_tp
 from .zero import FullyShardedSync, ShardedAdamW, ZeroReducer
 
@@ -43,7 +45,7 @@ class ParallelOptions:
     """The choices of a run's [parallel] section that `parallelize` reads (moepar/build.py copies
     them from the validated config; parallel/ never imports moepar's config)."""
     zero: int = 0                      # 0 DDP; ZeRO 1, 2, 3 (zero.py)
-    dispatcher: str = "alltoall"       # under ep > 1: alltoall, dedup, allgather (expert.py)
+    dispatcher: str = "alltoall"       # under ep > 1: alltoall, dedup, allgather, hierarchical
     debug_splits: bool = False         # check all-to-all split sizes across ranks
     a2a_chunks: int = 1                # alltoall: expert chunks pipelined between all-to-alls
     bucket_mb: float = 25.0            # gradient buckets reduced while backward runs
@@ -64,6 +66,8 @@ class Options:
     """What `parallelize` needs beyond the layout; the trainer fills it from the run config."""
     parallel: ParallelOptions          # the [parallel] choices (zero, dispatcher, pp_schedule, ...)
     make_optimizer: Callable           # (decay parameters, no-decay parameters) -> optimizer
+    make_muon: Callable | None = None  # train.optimizer="muon": (muon, decay, no-decay, layouts)
+    qk_clip: float = 0.0               # MuonClip's tau (qkclip.py); 0: off
     num_micro: int = 1                 # micro-batches per step on each data-parallel rank
     vocab_size: int = 0
     seq_len: int | None = None
@@ -75,6 +79,8 @@ class Options:
     seed: int = 0                      # initial values (layers/init.py), the same at any layout
     materialize: bool = True           # False: stay on meta (memory simulation)
     training: bool = True              # keep float32 masters for an optimizer (bf16 training)
+    expert_maps: dict | None = None    # MoE layer number -> ExpertMap (expert_map.py); contiguous
+    mtp_coeff: float = 0.0             # weight of the mean MTP loss (model.mtp_layers)
 
 
 def parallelize(model, layout: Layout, options: Options) -> ParallelModel:
@@ -82,11 +88,11 @@ def parallelize(model, layout: Layout, options: Options) -> ParallelModel:
     the fixed order; returns the handle the trainer talks to (see handle.py)."""
     dims, p = layout.dims, options.parallel
     canonical = canonical_tensors(model)              # the whole model's names and shapes
-    moe_layer_ids = [block.layer_id for block in model.layers if block.is_moe]
+    moe_layer_ids = [block.layer_id for block in model.blocks() if block.is_moe]
     param_dtype = next(model.parameters()).dtype
     if dims.ep > 1:
         apply_ep(model, dims, layout.meshes, layout.rank, p.dispatcher, p.debug_splits,
-                 p.a2a_chunks)
+                 p.a2a_chunks, options.expert_maps)
     if dims.tp > 1:
         apply_tp(model, dims, layout.meshes, options.seq_len)
     if options.recompute != "none":
@@ -111,7 +117,8 @@ def parallelize(model, layout: Layout, options: Options) -> ParallelModel:
     precision = Precision(layout.device.type, options.compute_dtype, param_dtype,
                           options.fp32_residual)
     precision.widen_embeddings(model)
-    sync, optimizer = data_parallel(model, layout, p, options.make_optimizer, fsdp, masters)
+    sync, optimizer = data_parallel(model, layout, p, options.make_optimizer, fsdp, masters,
+                                    options.make_muon)
     runner = None
     if not (on_meta and not options.materialize):    # shapes only (memory simulation): no runner
         loss_fn = build_loss(layout.group("tp") if dims.tp > 1 else None, options.vocab_size)
@@ -121,12 +128,16 @@ def parallelize(model, layout: Layout, options: Options) -> ParallelModel:
                                     schedule=p.pp_schedule, autocast=precision.autocast,
                                     act_dtype=precision.residual_dtype,
                                     wire_dtype=options.compute_dtype,
-                                    balance_group=layout.group("dp"))
+                                    balance_group=layout.group("dp"),
+                                    mtp_coeff=options.mtp_coeff)
         else:
             runner = LocalRunner(model, options.num_micro, loss_fn, autocast=precision.autocast,
-                                 balance_group=layout.group("dp"))
+                                 balance_group=layout.group("dp"), mtp_coeff=options.mtp_coeff)
+    qk_clip = None
+    if options.qk_clip > 0 and runner is not None:
+        qk_clip = QKClip(model, options.qk_clip, masters, layout.group("dp"), layout.device)
     return ParallelModel(model, layout, canonical, moe_layer_ids, p.zero, options.num_micro,
-                         sync, optimizer, runner, masters, precision, compiled)
+                         sync, optimizer, runner, masters, precision, compiled, qk_clip)
 
 
 class LocalSync:
@@ -153,7 +164,7 @@ _WIRE = {"": None, "float32": torch.float32, "bfloat16": torch.bfloat16}
 
 
 def data_parallel(model, layout: Layout, parallel: ParallelOptions, make_adamw, fsdp=None,
-                  masters=None):
+                  masters=None, make_muon=None):
     """The last wrapping: (gradient sync, optimizer) for parallel.zero.
 
     `make_adamw(decay_params, no_decay_params)` builds the optimizer over whatever this stage
@@ -165,21 +176,34 @@ def data_parallel(model, layout: Layout, parallel: ParallelOptions, make_adamw, 
     that storage is sharded over (see grads.grad_norm_groups). Their arguments: `last`, the last
     backward of the modules it runs in this step; `step_final`, the last backward of the step on
     this rank (they differ only for interleaved pipeline chunks; default: `last`).
+    `make_muon(muon, decay, no_decay, layouts)` replaces make_adamw under train.optimizer="muon"
+    (muon.py: which parameters it steps, and how each matrix is gathered whole).
     """
-    def split(params):
-        params = list(params)
-        return [p for p in params if p.dim() >= 2], [p for p in params if p.dim() < 2]
-
     masters = masters or Masters(model)
     meshes, dims = layout.meshes, layout.dims
+    layouts = {} if make_muon is None else build_layouts(
+        model, masters, layout.group("tp") if dims.tp > 1 else None)
+
+    def build(params):
+        params = list(params)
+        matrices = [p for p in params if p.dim() >= 2 and id(p) not in layouts]
+        vectors = [p for p in params if p.dim() < 2]
+        if make_muon is None:
+            return make_adamw(matrices, vectors)
+        return make_muon([p for p in params if id(p) in layouts], matrices, vectors, layouts)
+
     if meshes is None:
-        return LocalSync(masters), make_adamw(*split(masters.masters(model.parameters())))
+        return LocalSync(masters), build(masters.masters(model.parameters()))
     wire = _WIRE[parallel.grad_reduce_dtype]
     if parallel.zero == 0:
         sync = OverlappedReducer(model, meshes, dims, parallel.bucket_mb, wire, masters=masters)
-        return sync, make_adamw(*split(masters.masters(model.parameters())))
+        return sync, build(masters.masters(model.parameters()))
     if parallel.zero in (1, 2):
+        split = True if make_muon is None else (
+            lambda q: "muon" if id(masters.master(q)) in layouts else q.dim() >= 2)
         sync = ZeroReducer(model, meshes, dims, parallel.zero, parallel.bucket_mb, wire,
-                           masters=masters)
-        return sync, ShardedAdamW(sync, make_adamw)
-    return fsdp, make_adamw(*split(model.parameters()))
+                           masters=masters, split=split)
+        if make_muon is None:
+            return sync, ShardedAdamW(sync, make_adamw)
+        return sync, ShardedMuon(sync, layouts, lambda *groups: make_muon(*groups, {}))
+    return fsdp, build(model.parameters())

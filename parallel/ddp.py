@@ -61,7 +61,7 @@ class OverlappedReducer:
     reduce_every_micro = False
 
     def __init__(self, model, meshes, dims, bucket_mb: float = 25.0, reduce_dtype=None,
-                 split_decay: bool = False, grad_views: bool = True, masters: Masters | None = None):
+                 split_decay=False, grad_views: bool = True, masters: Masters | None = None):
         self.meshes, self.scale, self.reduce_dtype = meshes, 1.0 / dims.dp, reduce_dtype
         self.masters = masters = masters or Masters(model)
         _, experts = split_parameters(model)
@@ -76,7 +76,9 @@ class OverlappedReducer:
 
         for q in reversed([q for q in model.parameters() if q.requires_grad]):
             p = masters.master(q)     # what is reduced and stepped (q itself without masters)
-            p_key = ("edp" if id(q) in in_expert else "dp", split_decay and p.dim() >= 2)
+            # split_decay: a bucket holds one weight decay (or one optimizer: a callable's key)
+            kind = split_decay(q) if callable(split_decay) else split_decay and p.dim() >= 2
+            p_key = ("edp" if id(q) in in_expert else "dp", kind)
             nbytes = p.numel() * p.element_size()
             if current and (p_key != key or size + nbytes > limit):
                 close()

@@ -35,7 +35,7 @@ from .comm import (Flight, all_to_all, all_to_all_start, all_to_all_wait, flight
                    to_wire)
 from .splitcheck import split_check
 
-__all__ = ["DedupAllToAllDispatcher", "DedupPlan", "DedupChunk"]
+__all__ = ["DedupAllToAllDispatcher", "DedupPlan", "DedupChunk", "sort_pairs"]
 
 
 @dataclass(frozen=True)
@@ -72,15 +72,37 @@ class DedupPlan:
         return self.chunks[0].rows_per_expert
 
 
+def sort_pairs(dest_N, token_N, num_tokens: int, num_dest: int):
+    """Copies sorted by (destination, token), stably, and grouped into (destination, token)
+    pairs: (order_N, pair of each sorted copy, each pair's key dest * num_tokens + token in its
+    first slots, pairs per destination). Destination `num_dest` (dropped copies) sorts last and
+    is not counted. On the device, no host sync."""
+    key_sorted, order_N = torch.sort(dest_N * num_tokens + token_N, stable=True)
+    first = torch.ones_like(key_sorted, dtype=torch.bool)
+    first[1:] = key_sorted[1:] != key_sorted[:-1]
+    pair_of_sorted = torch.cumsum(first, 0) - 1
+    # Each pair's key, without a boolean mask (whose size the host would need): every copy
+    # writes its pair's slot, and the copies of one pair carry the same key.
+    pair_key = key_sorted.new_empty(key_sorted.shape).scatter_(0, pair_of_sorted, key_sorted)
+    dest_sorted = torch.div(key_sorted, num_tokens, rounding_mode="floor")
+    pairs_per_dest = torch.zeros(num_dest + 1, dtype=torch.long, device=dest_N.device).scatter_add_(
+        0, dest_sorted, first.long())[:num_dest]
+    return order_N, pair_of_sorted, pair_key, pairs_per_dest
+
+
 class DedupAllToAllDispatcher:
     """Same methods as `LocalDispatcher` (one chunk). `timer`: see AllToAllDispatcher."""
 
-    def __init__(self, num_experts: int, group, layer_id: int = 0, debug: bool = False):
+    def __init__(self, num_experts: int, group, layer_id: int = 0, debug: bool = False,
+                 max_ranks: int = 0):
         self.num_experts, self.group, self.layer_id, self.debug = num_experts, group, layer_id, debug
         # The split check is bound here (parallel.debug_splits), never asked for in forward.
         self._check = split_check(debug, group, layer_id)
         self.ep = group_size(group)
         self.num_local = num_experts // self.ep
+        # A bound on the ranks one token reaches (0: ep); the hierarchical relay's is its node's
+        # ranks. It sizes the slot table of the final sum: one gather and add per slot.
+        self.max_ranks = max_ranks or self.ep
         self.timer = None
 
     def dispatch(self, x_TD: torch.Tensor, routing: Routing):
@@ -89,16 +111,8 @@ class DedupAllToAllDispatcher:
         may still change them)."""
         num_tokens, P, El = x_TD.shape[0], self.ep, self.num_local
         dest_N = torch.div(routing.expert_N, El, rounding_mode="floor")   # dropped -> P
-        key_sorted, order_N = torch.sort(dest_N * num_tokens + routing.token_N, stable=True)
-        first = torch.ones_like(key_sorted, dtype=torch.bool)
-        first[1:] = key_sorted[1:] != key_sorted[:-1]
-        pair_of_sorted = torch.cumsum(first, 0) - 1
-        # Each pair's key, without a boolean mask (whose size the host would need): every copy
-        # writes its pair's slot, and the copies of one pair carry the same key.
-        pair_key = key_sorted.new_empty(key_sorted.shape).scatter_(0, pair_of_sorted, key_sorted)
-        dest_sorted = torch.div(key_sorted, num_tokens, rounding_mode="floor")
-        pairs_per_dest = torch.zeros(P + 1, dtype=torch.long, device=x_TD.device).scatter_add_(
-            0, dest_sorted, first.long())[:P]
+        order_N, pair_of_sorted, pair_key, pairs_per_dest = sort_pairs(dest_N, routing.token_N,
+                                                                       num_tokens, P)
         assigns_PE = expert_counts(routing.expert_N, self.num_experts + 1)[:-1].view(P, El)
         send = torch.cat([pairs_per_dest.unsqueeze(1), assigns_PE], 1)         # [P, 1+El]
         recv = all_to_all(send, [1] * P, [1] * P, self.group, self.timer)
@@ -115,7 +129,7 @@ class DedupAllToAllDispatcher:
         # Sums over a token's copies run slot by slot (deterministic, see segment_slots): a token
         # has at most one pair per rank and one assignment per expert, and at most K of each.
         k = routing.top_k or self.num_experts
-        pairs_of_token_TM = segment_slots(pair_token_Q, num_tokens, min(k, P))
+        pairs_of_token_TM = segment_slots(pair_token_Q, num_tokens, min(k, self.max_ranks))
         rows_in = flight(recv_rows, send_rows, self.group, self.timer)
         x_QD = all_to_all_start(to_wire(gather_rows(x_TD, pair_token_Q, pairs_of_token_TM)),
                                 rows_in)

@@ -27,6 +27,8 @@ from torch.nn.utils import get_total_norm
 from moepar.layers.router import TopKRouter
 
 from .dims import Layout
+from .expert import moe_layers_by_id
+from .expert_move import apply_map, move_experts
 from .grads import all_reduce_sum, clip_gradients, grad_norm, grad_norm_groups
 from .local_runner import LocalRunner
 from .pipeline_runner import PipelineRunner
@@ -54,6 +56,7 @@ class ParallelModel:
     masters: Masters
     precision: Precision
     compiled: object = None           # compile.CompiledRegions (train.compile), or None
+    qk_clip: object = None            # qkclip.QKClip (train.qk_clip), or None
 
     def __post_init__(self):
         self.tp_group = self.layout.group("tp") if self.layout.dims.tp > 1 else None
@@ -72,17 +75,21 @@ class ParallelModel:
             hook = self.sync.after_backward if after else self.sync.before_backward
             hook(action.micro == self.num_micro - 1, action == self._final_backward)
 
-    def forward_backward(self, inputs: list, targets: list, stats) -> torch.Tensor:
+    def forward_backward(self, inputs: list, targets: list, stats, **packed) -> torch.Tensor:
         """This rank's micro-batches of one step, gradients synced; adds each micro-batch's MoE
         statistics to `stats`; returns the sum of their losses (under pp: on the last stage,
-        zero elsewhere; `finish_step` sums it over pp)."""
+        zero elsewhere; `finish_step` sums it over pp). `packed` (data.pack, the local runner
+        only): `documents` per micro-batch and loss `weights` (LocalRunner.run)."""
         if self.layout.device.type == "cuda":    # pinned: the copies to the GPU are async
             inputs, targets = [t.pin_memory() for t in inputs], [t.pin_memory() for t in targets]
+            if "documents" in packed:
+                packed["documents"] = [t.pin_memory() for t in packed["documents"]]
         loss_sum, moe_outputs = self.runner.run(
             inputs, targets, before_action=lambda a: self._around(a, False),
-            after_action=lambda a: self._around(a, True))
+            after_action=lambda a: self._around(a, True), **packed)
         for outs, balance in zip(moe_outputs, self.runner.balance_values, strict=True):
             stats.add(outs, self.moe_router_cfg, self.moe_indices, balance)
+        stats.mtp_1 += self.runner.mtp_sum    # reduced with the statistics (finish_step)
         return loss_sum
 
     def set_loss_scale(self, scale: float):
@@ -105,11 +112,12 @@ class ParallelModel:
         stats.add(outs[0], self.moe_router_cfg, self.moe_indices, runner.balance_values[0])
         return loss
 
-    def evaluate(self, inputs: list, targets: list) -> torch.Tensor:
+    def evaluate(self, inputs: list, targets: list, **packed) -> torch.Tensor:
         """The sum over every rank's micro-batches of their mean cross-entropy (float64, the same
         on every rank): forward only, no gradients, no statistics. Every rank passes its share
-        of the batches (pipeline ranks the same ones), as for a training step."""
-        loss_sum, _ = self.runner.run(inputs, targets, forward_only=True)
+        of the batches (pipeline ranks the same ones), as for a training step. `packed`: as
+        forward_backward's (the micro-batches' documents and loss weights)."""
+        loss_sum, _ = self.runner.run(inputs, targets, forward_only=True, **packed)
         if self.zero == 3:      # FSDP2 keeps the root's parameters gathered after a forward, for
             self.model.reshard()  # the backward that would follow; none does: shard them again
         all_reduce_sum([loss_sum], self.layout.group("dp"))
@@ -151,6 +159,8 @@ class ParallelModel:
         for group in self.optimizer.param_groups:
             group["lr"] = lr
         self.optimizer.step()
+        if self.qk_clip is not None:     # on the masters, before the compute weights follow
+            self.qk_clip.apply()
         self.masters.refresh()
         self.update_expert_bias(stats)
 
@@ -185,6 +195,25 @@ class ParallelModel:
         if self.layout.dims.pp > 1:
             all_reduce_sum([bias_LE], self.layout.group("pp"))
         return bias_LE
+
+    def replace_experts(self, old: dict, new: dict):
+        """Moves each MoE layer's experts from placement `old[layer]` to `new[layer]` (layer
+        number -> ExpertMap; expert_move.py): weights, masters and AdamW moments in one
+        all-to-all over ep per layer, between steps (zero 0 only). Every rank of the EP group
+        calls it with the same maps."""
+        if self.zero:
+            raise ValueError(f"re-placing experts (parallel.replace_every) needs parallel.zero=0, "
+                             f"not {self.zero}: ZeRO shards expert rows by position")
+        group, ep_rank = self.layout.group("ep"), self.layout.coords.ep
+        for layer_id, moe in moe_layers_by_id(self.model):
+            tensors = []
+            for p in (moe.experts.w_in_EDU, moe.experts.w_out_EFD):
+                master = self.masters.master(p)
+                tensors += [p] + ([master] if master is not p else [])
+                tensors += [s for s in self.optimizer.state.get(master, {}).values()
+                            if torch.is_tensor(s) and s.shape == p.shape]
+            move_experts(tensors, old[layer_id], new[layer_id], group, ep_rank)
+            apply_map(moe, new[layer_id], group, ep_rank)
 
     # ---- where tensors sit (init and checkpoints) --------------------------------------------
     def model_shards(self) -> list[LocalTensor]:

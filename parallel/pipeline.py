@@ -16,6 +16,9 @@ chunk 0, the final norm and head with the last chunk.
 | embed           | pp rank 0 (chunk 0)                   | embed.weight                    |
 | layers.<i>      | the rank holding layer i's chunk      | layers.<i>.* (the original i)   |
 | norm, head      | pp rank pp-1 (the last chunk)         | norm.weight, head.weight        |
+| mtp (MTP depths)| pp rank pp-1 (the last chunk)         | mtp.<k>.* (the embedding output |
+|                 |                                       | comes from rank 0: see          |
+|                 |                                       | pipeline_runner.py)             |
 | rope tables     | every rank (buffers, not saved)       | -                               |
 
 Names are the full model's, so checkpoints and MoE layer ids do not depend on the split. The
@@ -107,7 +110,7 @@ def apply_pp(model, pp_rank: int, pp: int, virtual: int = 1, pp_layers: list[int
     if chunk_ids[0] != 0:
         model.embed = None
     if chunk_ids[-1] != num_chunks - 1:
-        model.norm = model.head = None
+        model.norm = model.head = model.mtp = None
     model.layers = _LayersById(blocks)
     model.chunk_slices = chunk_slices
     return model

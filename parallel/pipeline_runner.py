@@ -12,6 +12,7 @@ Talks on the `pp` group:
 |                           | their gradients back; receives waited just before their use     |
 |                           | (router.balance_loss='all_layers': in the same batch, 2E+1      |
 |                           | float64 sums with the hidden states, E coefficients back)       |
+|                           | (model.mtp_layers: the embedding output, mtp_link.py)           |
 | per chunk forward, global | router.balance_scope='global': one all-reduce of the counts     |
 | balance scope             | over `balance_group` (the stage's dp ranks), see below          |
 
@@ -28,6 +29,8 @@ states; the last chunk's rank finishes the loss (summing the counts over the dp 
 scope) and the coefficient travels back with the gradients, so every stage's MoE layers read it
 in their backward. per_layer at the global scope needs no traffic: each chunk finishes its own
 layers after its forward.
+Multi-token prediction (layers/mtp.py) runs on the last chunk and reads the main model's
+embedding output from the first chunk's rank (mtp_link.py).
 Action timings use CUDA events on GPUs (host timestamps would measure kernel launches) and host
 timestamps on the CPU; they are read after the step.
 """
@@ -39,9 +42,11 @@ import torch
 import torch.distributed as dist
 
 from moepar.layers.balance import BalanceStep, MicroBalance
+from moepar.layers.mtp import MTPMicro
 
 from .grads import all_reduce_sum
 from .loss import cross_entropy
+from .mtp_link import TAG, EmbeddingLink
 from .schedules import FORWARD_ONLY, Action, Event, timetable
 
 __all__ = ["PipelineRunner", "step_balance"]
@@ -96,15 +101,18 @@ class PipelineRunner:
     After `run`: `events` (this rank's compute intervals), `step_start`, `step_end`,
     `peak_in_flight` (the most chunk-micro-batches whose activations were alive at once), and
     `balance_values` (per micro-batch this rank's part of a deferred balance loss, else None).
-    `balance_group`: the dp ranks of this stage (global balance scope).
+    `balance_group`: the dp ranks of this stage (global balance scope). `mtp_coeff` weights
+    the mean MTP loss (model.mtp_layers); `mtp_sum`, after `run`, sums the micro-batches' mean
+    MTP loss (unweighted, on the last stage; zero elsewhere and in evaluation).
     """
 
     def __init__(self, stage, num_micro: int, loss_fn=cross_entropy, *, pp_group=None,
                  schedule: str = "1f1b", autocast=contextlib.nullcontext,
                  act_dtype: torch.dtype | None = None, wire_dtype: torch.dtype | None = None,
-                 balance_group=None):
+                 balance_group=None, mtp_coeff: float = 0.0):
         self.stage, self.group, self.num_micro, self.loss_fn = stage, pp_group, num_micro, loss_fn
         self.balance_group, self.balance_values = balance_group, []
+        self.mtp_coeff, self.mtp_sum, self.has_mtp = mtp_coeff, None, stage.cfg.mtp_layers > 0
         cfg, E = stage.router_cfg, stage.cfg.num_experts
         # all_layers: sizes of the sums sent with hidden states and of the coefficient sent back.
         self.balance_sizes = {"acts": 2 * E + 1, "grads": E} if (
@@ -155,7 +163,8 @@ class PipelineRunner:
                                "must get micro-batches of the same shape")
 
     def run(self, inputs: list, targets: list, before_action=None, after_action=None,
-            forward_only: bool = False):
+            forward_only: bool = False, documents: list | None = None,
+            weights: list[float] | None = None):
         """One step. Every rank passes the step's micro-batches (`inputs` tokens_BS, `targets`
         tokens_BS, num_micro each, the same on all pp ranks): the first stage reads the inputs,
         the last the targets, the others only their shapes. `before_action(action)` is called
@@ -163,9 +172,11 @@ class PipelineRunner:
         `after_action(action)` after it, once the time step's point-to-point traffic is posted
         (so a data-parallel reduction never delays the activations or gradients a neighbour
         waits for). `forward_only`: forwards without autograd (evaluation), no backward.
+        Packed documents (data.pack): `documents` per micro-batch, read by every stage (each
+        builds its masks and positions), and `weights`, the last stage's loss multipliers.
 
-        Returns (loss_sum, moe_outputs): the sum of the micro-batches' (unweighted) losses as a
-        detached float64 scalar, zero except on the last stage (sum it over pp to have it
+        Returns (loss_sum, moe_outputs): the sum of the micro-batches' losses (times `weights`)
+        as a detached float64 scalar, zero except on the last stage (sum it over pp to have it
         everywhere), and per micro-batch the list of this rank's MoEOutputs in layer order (for
         StepStats.add). Gradients accumulate into the stage's parameters.
 
@@ -191,9 +202,13 @@ class PipelineRunner:
         step_bal = None if forward_only else step_balance(self.stage, self.balance_group,
                                                           self.device)
         sizes = self.balance_sizes if step_bal is not None else None
-        self._state = dict(inputs=inputs, targets=targets, acts={}, grads={}, saved={}, moe={},
+        self._state = dict(inputs=inputs, targets=targets, documents=documents, weights=weights,
+                           acts={}, grads={}, saved={}, moe={},
                            loss_sum=loss_sum, forward_only=forward_only, pending={},
-                           balance=step_bal, holders={}, sums={}, coef={}, values={})
+                           balance=step_bal, holders={}, sums={}, coef={}, values={},
+                           mtp=self.has_mtp and not forward_only,
+                           link=EmbeddingLink(self._owner, self.num_chunks, self.me))
+        self.mtp_sum = torch.zeros((), dtype=torch.float64, device=self.device)
         self._stamps, alive, self.peak_in_flight = [], 0, 0
         keep, works = [], []   # tensors being sent (alive until their send completes), sends
         self.step_start = time.perf_counter()
@@ -211,6 +226,11 @@ class PipelineRunner:
                     self._stamps.append((action, start, self.clock.now()))
                     alive += 1 if action.kind == "F" else -1
                     self.peak_in_flight = max(self.peak_in_flight, alive)
+                    mtp_sent = self._state.pop("mtp_send", None)
+                    if mtp_sent is not None:
+                        keep.append(mtp_sent[1].to(self.wire_dtype).contiguous())
+                        ops.append(dist.P2POp(dist.isend, keep[-1], self.peers[mtp_sent[0]],
+                                              self.group, tag=TAG))
                     if sent is not None:
                         peer, tensor, extra = sent
                         if tuple(tensor.shape) != shape_BSD:
@@ -237,6 +257,13 @@ class PipelineRunner:
                             ops.append(dist.P2POp(dist.irecv, extra, self.peers[rank], self.group,
                                                   tag=1))
                         recvs.append((target, bufs))
+                    target = (None if rank == self.me or other is None or not self._state["mtp"]
+                              else self._state["link"].receives(other))
+                    if target is not None:
+                        buf = torch.empty(shape_BSD, dtype=self.wire_dtype, device=self.device)
+                        recvs.append((target, [(buf, len(ops))]))
+                        ops.append(dist.P2POp(dist.irecv, buf, self.peers[rank], self.group,
+                                              tag=TAG))
                 if ops:
                     posted = dist.batch_isend_irecv(ops)
                     received = {index for _, bufs in recvs for _, index in bufs}
@@ -300,6 +327,11 @@ class PipelineRunner:
             if training:
                 x.requires_grad_()
         holder = None if state["balance"] is None else MicroBalance()
+        last = self.num_chunks - 1
+        mtp = None
+        if state["mtp"] and c in (0, last):   # the embedding output goes from chunk 0 to the last
+            mtp = MTPMicro(state["link"].take(("embeds", (c, n)), state["pending"], self.act_dtype,
+                                              training) if c == last and c else None)
         with self.autocast():
             # The last chunk's loss replaces its head: from the final hidden states and the
             # head weight, never the logits (parallel/loss.py); given the gradient that backward
@@ -308,21 +340,36 @@ class PipelineRunner:
             if c == self.num_chunks - 1:
                 targets = state["targets"][n].to(self.device, non_blocking=True)
 
-                def head_fn(h, w):
-                    return self.loss_fn(h, w, targets, grad_scale=grad_scale)
-            out, moe_outputs = self.stage(x, holder, chunk=c // self.pp, head_fn=head_fn)
+                weight = 1.0 if state["weights"] is None else state["weights"][n]
+
+                def head_fn(h, w, k=0):    # k: an MTP depth, k tokens further on (no scale)
+                    return self.loss_fn(h, w, targets[:, k:],
+                                        grad_scale=None if k else grad_scale * weight)
+            packed = {} if state["documents"] is None else {
+                "documents": state["documents"][n].to(self.device, non_blocking=True)}
+            out, moe_outputs = self.stage(x, holder, chunk=c // self.pp, head_fn=head_fn,
+                                          mtp=mtp, **packed)
             if c == self.num_chunks - 1:
-                loss = out
+                loss = out if state["weights"] is None else out * state["weights"][n]
         # Keep only what statistics need: `y` and the injected loss hold activations and graph.
         state["moe"].setdefault(n, {})[c // self.pp] = [o.statistics() for o in moe_outputs]
         sums = None if holder is None else self._finish_balance(action, holder)
+        embeds = None
+        if mtp is not None and c == 0 and last > 0:
+            embeds = mtp.embeds_BSD
+            state["mtp_send"] = state["link"].put("embeds", n, embeds.detach())
         if c == self.num_chunks - 1:
             state["loss_sum"] += loss.detach().to(torch.float64)
+            if mtp is not None:
+                mtp_mean = sum(mtp.losses) / len(mtp.losses)
+                self.mtp_sum += mtp_mean.detach().to(torch.float64)
+                loss = loss + self.mtp_coeff * mtp_mean
             if training:
-                state["saved"][(c, n)] = (x, loss * grad_scale)
+                state["saved"][(c, n)] = (x, loss * grad_scale,
+                                          None if mtp is None or c == 0 else mtp.embeds_BSD)
             return None
         if training:
-            state["saved"][(c, n)] = (x, out)
+            state["saved"][(c, n)] = (x, out, embeds)
         if self._owner(c + 1) == self.me:      # the next chunk is ours too (pp=1, virtual>1)
             state["acts"][(c + 1, n)] = out.detach()
             if sums is not None:
@@ -356,9 +403,16 @@ class PipelineRunner:
 
     def _backward(self, action: Action):
         state, (c, n) = self._state, action[1:]
-        x, out = state["saved"].pop((c, n))
+        x, out, embeds = state["saved"].pop((c, n))
         if c == self.num_chunks - 1:
             out.backward()
+            if embeds is not None:    # MTP's embedding input: its gradient to chunk 0
+                grad = embeds.grad if embeds.grad is not None else torch.zeros_like(embeds)
+                state["mtp_send"] = state["link"].put("embed_grads", n, grad)
+        elif embeds is not None:      # chunk 0: the hidden states' and MTP's gradients at once
+            grad = state["link"].take(("embed_grads", (c, n)), state["pending"], self.act_dtype,
+                                      False)
+            torch.autograd.backward([out, embeds], [state["grads"].pop((c, n)), grad])
         else:
             torch.autograd.backward(out, state["grads"].pop((c, n)))
         del out

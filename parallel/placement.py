@@ -18,6 +18,7 @@ from .shards import flat_segments, fsdp_segments, local_view, tp_segments, whole
 from .tensor import tp_shard_spec
 
 __all__ = ["LocalTensor", "local_tensor", "Placement", "persistent_buffers", "new_adamw_state",
+           "new_state", "state_kinds",
            "materialize"]
 
 
@@ -54,6 +55,20 @@ def new_adamw_state(param, optimizer) -> dict:
                              for kind in ("exp_avg", "exp_avg_sq")}}
 
 
+def new_state(param, optimizer) -> dict:
+    """Zero state for `param`: the optimizer's own `new_state` (muon.py: Muon's momentum or
+    AdamW's moments, by group), else AdamW's."""
+    if hasattr(optimizer, "new_state"):
+        return optimizer.new_state(param)
+    return new_adamw_state(param, optimizer)
+
+
+def state_kinds(state: dict) -> list[str]:
+    """The tensors of one parameter's optimizer state that checkpoints hold, first the one whose
+    name carries the step count: exp_avg, exp_avg_sq (AdamW) or momentum_buffer (Muon)."""
+    return [k for k in ("exp_avg", "exp_avg_sq", "momentum_buffer") if k in state]
+
+
 class Placement:
     """Segments of this rank's tensors; `masters` (precision.py) names the tensor that holds
     each parameter's value between steps (its float32 master under bf16 training)."""
@@ -73,7 +88,7 @@ class Placement:
         fsdp = hasattr(tensor, "placements")
         if split is not None:
             prefix, module, short = split
-            names = [f"{prefix}.{module.expert_offset + e}.{short}" for e in range(tensor.shape[0])]
+            names = [f"{prefix}.{e}.{short}" for e in module.expert_ids]
             segments = whole_segments(name, tuple(tensor.shape), names)
             writes = fsdp or not data_replicas or coords.edp == 0
         else:
@@ -115,11 +130,11 @@ class Placement:
         for name, p in self.model.named_parameters():
             master = self.master(p)
             if create:
-                state[master] = new_adamw_state(master, optimizer)
+                state[master] = new_state(master, optimizer)
             if master not in state:
                 continue
             segments = self.segments(name, p, True)
-            for kind in ("exp_avg", "exp_avg_sq"):
+            for kind in state_kinds(state[master]):
                 key = f"{kind}/{name}"
                 moments.append(LocalTensor(key, local_tensor(state[master][kind]), segments))
                 steps[key] = state[master]["step"]
@@ -131,14 +146,14 @@ class Placement:
         moments, steps = [], {}
         for index, b in enumerate(reducer.buckets):
             if create:
-                inner.state[b.shard] = new_adamw_state(b.shard, inner)
+                inner.state[b.shard] = new_state(b.shard, inner)
             if b.shard not in inner.state:
                 continue
             segments = []
             for p in b.params:
                 segments += flat_segments(self.segments(names[id(p)], p, False), tuple(p.shape),
                                           b.offsets[id(p)], b.mine.start, b.mine.stop)
-            for kind in ("exp_avg", "exp_avg_sq"):
+            for kind in state_kinds(inner.state[b.shard]):
                 key = f"{kind}/bucket{index}"
                 moments.append(LocalTensor(key, inner.state[b.shard][kind], segments))
                 steps[key] = inner.state[b.shard]["step"]

@@ -48,8 +48,9 @@ class ZeroReducer(OverlappedReducer):
     IN_FLIGHT = 2      # stage 2: reduce-scatters in flight before the oldest is waited and freed
 
     def __init__(self, model, meshes, dims, stage: int, bucket_mb: float = 25.0, reduce_dtype=None,
-                 masters=None):
-        super().__init__(model, meshes, dims, bucket_mb, reduce_dtype, split_decay=True,
+                 masters=None, split=True):
+        # split: True (decayed / not), or model parameter -> bucket kind (muon.py's optimizers)
+        super().__init__(model, meshes, dims, bucket_mb, reduce_dtype, split_decay=split,
                          grad_views=False, masters=masters)
         if stage not in (1, 2):
             raise ValueError(f"ZeroReducer is for parallel.zero=1 or 2, not {stage}")
@@ -216,7 +217,7 @@ class FullyShardedSync:
             return lambda p: Shard(next((d for d in range(p.dim()) if p.shape[d] % size == 0), 0))
 
         expert_scale = dims.edp / dims.dp
-        for block in model.layers:
+        for block in model.blocks():     # the MTP depths' blocks too (layers/mtp.py)
             if block.is_moe:
                 experts = block.ffn.experts
                 fully_shard(experts, mesh=edp_mesh, mp_policy=policy,

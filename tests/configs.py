@@ -1,8 +1,12 @@
 """Tiny run configs shared by the tests: a 2-layer, 4-expert model that trains in a second."""
 
+import os
+import shlex
+
 import torch
 
 from moepar.config import load_config
+from moepar.data.prepare import PrepareOptions, prepare
 from moepar.layers import ModelConfig, RouterConfig, Transformer
 
 
@@ -15,6 +19,18 @@ def tiny_config(run_dir, *overrides):
             "--train.warmup_steps=2", "--train.lr=3e-3", "--run.log_every=0",
             "--run.tensorboard=false", f"--run.dir={run_dir}"]
     return load_config(None, base + list(overrides))
+
+
+def packed_folder(tmp, num_docs: int, **options) -> str:
+    """A folder prepared (byte tokenizer; no validation split by default) from `num_docs` documents of
+    9 to 45 bytes, for data.pack tests; `options`: more PrepareOptions fields. Returns its path."""
+    text = "\n\n".join(f"doc {i}: " + "moe " * (i % 10) for i in range(num_docs))
+    (tmp / "docs.txt").write_text(text)
+    out = str(tmp / "docs")
+    options.setdefault("val_fraction", 0.0)
+    prepare(PrepareOptions("bytes", [str(tmp / "docs.txt")], out, split_blank_lines=True,
+                           **options), stderr=open(os.devnull, "w"))
+    return out
 
 
 def tiny_model(**overrides):
@@ -48,3 +64,20 @@ def tiny_mixtral(folder, **fields):
     model = transformers.MixtralForCausalLM(transformers.MixtralConfig(**config)).eval()
     model.save_pretrained(folder)
     return model
+
+
+def example_commands(example, run_dir, run_name: str, last_step: str) -> list[list[str]]:
+    """The `#   moepar ...` commands of an example's header (argv after `moepar`), pointed at
+    run_dir instead of runs/<run_name> and shortened to a 3-step training run whose last
+    checkpoint stands in for `last_step` (e.g. "step_200")."""
+    out = []
+    for line in example.read_text().splitlines():
+        if not line.startswith("#   moepar "):
+            continue
+        words = [w.replace(f"runs/{run_name}", str(run_dir)).replace(last_step, "step_3")
+                 for w in shlex.split(line.lstrip("# "))[1:]]
+        if words[0] == "train":
+            words += ["--train.steps=3", "--train.warmup_steps=1", "--run.log_every=1",
+                      "--run.tensorboard=false", f"--run.dir={run_dir}"]   # not the config's
+        out.append(words)
+    return out

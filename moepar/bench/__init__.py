@@ -4,11 +4,13 @@
 |------------|--------------|---------------------------------------------------------------------|
 | moe-layer  | moe_layer.py | one MoE layer's forward + backward against dense floors (--ep N: EP) |
 | dispatch   | ep.py        | bytes on the wire and all-to-all time of each EP dispatcher          |
+| placement  | placement.py | skewed load: busiest EP rank's rows, layer time; contiguous/balanced |
 | memory     | memory.py    | bytes per rank of parameters, gradients, optimizer state vs formula  |
 | pipeline   | pipeline.py  | measured bubble and activation memory per pipeline stage             |
 | checkpoint | checkpoint.py| build, save and load seconds and peak memory per rank vs its shard   |
 | train      | train.py     | end-to-end tokens/s and MFU of a config in one process              |
 | traffic    | traffic.py   | bytes each part of one training step moves (eager), and a roofline  |
+| optimizer  | optimizer.py | Muon's optimizer step and training step against AdamW's (one process)|
 
 Benchmarks that need several processes start them with torch's launcher and re-run the same
 command line in each worker; rank 0 prints. Progress of a long benchmark (`Ticker`) goes to
@@ -20,8 +22,8 @@ import json
 import os
 import sys
 
-from moepar.bench import (checkpoint, ep, hf_baseline, memory, moe_layer, pipeline, simulate,
-                          traffic, train)
+from moepar.bench import (checkpoint, ep, hf_baseline, memory, moe_layer, optimizer, pipeline,
+                          placement, simulate, traffic, train)
 from moepar.bench.ticker import Ticker
 from moepar.config import load_config
 from moepar.launch import launch
@@ -63,8 +65,26 @@ def build_parser() -> argparse.ArgumentParser:
                                    "against the minimum, and the all-to-all share of the time.")
     _layer_options(p)
     p.add_argument("--ep", type=int, required=True, help="expert-parallel processes (>= 2)")
+    p.add_argument("--gpus-per-node", type=int, default=0,
+                   help="ranks per (pretend) node: adds the hierarchical dispatcher and the bytes "
+                        "that leave each node (0: one node)")
+    p.add_argument("--n-group", type=int, default=1,
+                   help="expert groups of group-limited routing (router.n_group)")
+    p.add_argument("--topk-group", type=int, default=1,
+                   help="groups each token may use (router.topk_group)")
     p.add_argument("--a2a-chunks", type=int, default=1,
                    help="expert chunks pipelined between the all-to-alls (parallel.a2a_chunks)")
+    _timing_options(p)
+    p = sub.add_parser("placement", help="skewed load: contiguous vs balanced expert placement",
+                       description="One EP MoE layer under a skewed load, contiguous and balanced "
+                                   "from its measured load: busiest rank's rows over the mean, "
+                                   "and forward + backward time.")
+    _layer_options(p)
+    p.add_argument("--ep", type=int, required=True, help="expert-parallel processes (>= 2)")
+    p.add_argument("--skew", type=float, default=0.5,
+                   help="router selection bias on expert 0, falling linearly to 0 on the last")
+    p.add_argument("--replicas", type=int, default=1,
+                   help="replica slots per rank (parallel.expert_replicas)")
     _timing_options(p)
     p = sub.add_parser("memory", help="bytes per rank against the ZeRO formula",
                        description="Builds a model, trains one step on dp*tp local processes and "
@@ -130,6 +150,15 @@ def build_parser() -> argparse.ArgumentParser:
                    help="transformers' experts_implementation for --against-hf (default: "
                         "transformers' own default)")
     p.add_argument("--json", action="store_true", help="print one JSON object")
+    p = sub.add_parser("optimizer", help="Muon against AdamW, per training step",
+                       description="Trains --config in one process with AdamW and with Muon, "
+                                   "step by step alternately, and reports each optimizer step and "
+                                   "training step (medians).")
+    p.add_argument("--config", required=True, help="the run config, e.g. examples/tiny.toml")
+    p.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
+    p.add_argument("--steps", type=int, default=5, help="timed steps of each optimizer")
+    p.add_argument("--warmup", type=int, default=1, help="untimed steps first")
+    p.add_argument("--json", action="store_true", help="print one JSON object")
     p = sub.add_parser("traffic", help="memory traffic of one training step, and a roofline",
                        description="Counts the bytes every aten op of one training step of CONFIG "
                                    "reads and writes (eager mode, one process) by part of the "
@@ -162,7 +191,7 @@ def main(argv: list[str]) -> int:
     args, overrides = parser.parse_known_args(argv)
     if args.what == "traffic":
         return _traffic(args, overrides)
-    if overrides and args.what != "train":
+    if overrides and args.what not in ("train", "optimizer"):
         parser.error(f"unrecognized arguments: {' '.join(overrides)}")
     if args.what == "pipeline":
         if not _launched():
@@ -177,6 +206,15 @@ def main(argv: list[str]) -> int:
         result = checkpoint.worker_main(args)
         if _rank0():
             print(json.dumps(result), flush=True) if args.json else checkpoint.print_result(result)
+        return 0
+    if args.what == "optimizer":
+        try:
+            cfg = load_config(args.config, [*overrides, f"--train.device={args.device}"])
+        except ValueError as e:
+            print(f"moepar bench optimizer: {e}", file=sys.stderr)
+            return 2
+        result = optimizer.bench_optimizer(cfg, args.steps, args.warmup)
+        print(json.dumps(result)) if args.json else optimizer.print_result(result)
         return 0
     if args.what == "train":
         try:
@@ -204,6 +242,21 @@ def main(argv: list[str]) -> int:
         return 0
     if args.what == "dispatch" and args.ep < 2:
         parser.error("dispatch needs --ep >= 2")
+    if args.what == "dispatch" and (args.gpus_per_node < 0 or (
+            0 < args.gpus_per_node < args.ep and args.ep % args.gpus_per_node)):
+        parser.error(f"--gpus-per-node {args.gpus_per_node} must divide --ep {args.ep}")
+    if args.what == "placement" and args.ep < 2:
+        parser.error("placement needs --ep >= 2")
+    if args.what == "placement":
+        if args.experts % args.ep or args.replicas < 0:
+            parser.error(f"--experts {args.experts} must be divisible by --ep {args.ep}, and "
+                         f"--replicas {args.replicas} >= 0")
+        if not _launched():
+            return _relaunch(args.ep, argv)
+        result = placement.worker_main(args, moe_layer.DTYPES[args.dtype])
+        if _rank0():
+            print(json.dumps(result), flush=True) if args.json else placement.print_result(result)
+        return 0
     if args.ep > 1 or args.what == "dispatch":
         if args.experts % args.ep:
             parser.error(f"--experts {args.experts} must be divisible by --ep {args.ep}")

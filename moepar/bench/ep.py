@@ -23,22 +23,26 @@ import torch
 import torch.distributed as dist
 
 from moepar.bench.moe_layer import PlainSwiGLU, paired_ratio
+from moepar.bench.nodes import node_bytes
 from moepar.bench.ticker import Ticker
 from moepar.layers import FeedForward, MoE
 from moepar.parallel.alltoall import AllToAllDispatcher
 from moepar.parallel.comm import A2ATimer
 from moepar.parallel.dims import ParallelDims
 from moepar.parallel.expert import apply_ep
+from moepar.parallel.hierarchical import node_layout
 from moepar.process import end_process_group
 
-__all__ = ["worker_main", "print_dispatch"]
+__all__ = ["worker_main", "print_dispatch", "setup"]
 
 
 class _Meter:
-    def __init__(self):
+    def __init__(self, ranks_per_node: int = 0, dim: int = 0):
         self.seconds = 0.0
         self.float_bytes = 0
         self.int_bytes = 0
+        self.ranks_per_node, self.dim = ranks_per_node, dim
+        self.off_node_hidden = 0      # hidden-state bytes (rows of `dim`) to ranks on other nodes
 
 
 @contextlib.contextmanager
@@ -59,6 +63,10 @@ def metered_all_to_all(meter: _Meter):
         remote = sum(s for j, s in enumerate(splits) if j != me) * row_bytes
         if input.is_floating_point():
             meter.float_bytes += remote
+            if meter.ranks_per_node and input.dim() == 2 and input.shape[1] == meter.dim:
+                node = meter.ranks_per_node
+                meter.off_node_hidden += row_bytes * sum(
+                    s for j, s in enumerate(splits) if j // node != me // node)
         else:
             meter.int_bytes += remote
         return result
@@ -70,25 +78,28 @@ def metered_all_to_all(meter: _Meter):
         dist.all_to_all_single = real
 
 
-def _setup(ep: int, experts: int):
+def setup(ep: int, experts: int, gpus_per_node: int = 0):
+    """(rank, dims, meshes) of an EP world of local gloo processes, one thread each."""
     torch.set_num_threads(1)
     if not dist.is_initialized():
         dist.init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
-    dims = ParallelDims.resolve(world, ep=ep, num_experts=experts)
+    node = gpus_per_node if gpus_per_node < world else 0
+    dims = ParallelDims.resolve(world, ep=ep, num_experts=experts, gpus_per_node=node)
     return rank, dims, dims.build_meshes("cpu")
 
 
 def _moe(args, dtype, rank, dims, meshes, dispatcher="alltoall"):
     """The EP layer with an A2ATimer on its dispatcher (all-to-all dispatchers)."""
     torch.manual_seed(0)   # same router and experts on every rank before sharding
+    groups = dict(n_group=getattr(args, "n_group", 1), topk_group=getattr(args, "topk_group", 1))
     moe = MoE(args.dim, args.ffn_dim, args.experts, args.top_k, aux_loss_scale=1.0,
-              balance_coeff=0.01).to(dtype)
+              balance_coeff=0.01, **groups).to(dtype)
     moe = apply_ep(moe, dims, meshes, rank, dispatcher)
     if dispatcher == "alltoall" and args.a2a_chunks > 1:
         moe.dispatcher = AllToAllDispatcher(args.experts, meshes.group("ep"),
                                             chunks=args.a2a_chunks)
-    if dispatcher in ("alltoall", "dedup"):
+    if dispatcher in ("alltoall", "dedup", "hierarchical"):
         moe.dispatcher.timer = A2ATimer()
     return moe
 
@@ -115,24 +126,41 @@ def _a2a_times(timer) -> dict:
     return dict(zip(A2A_PARTS, (values / dist.get_world_size()).tolist()))
 
 
+def _counted_node_bytes(moe, x, args, esize: int, ranks: int) -> dict:
+    """Bytes leaving each node per dispatcher (bench/nodes.py), counted from the routing the
+    layer makes of every rank's tokens (the router is replicated: the same on every rank)."""
+    with torch.no_grad():
+        experts_TK = moe.router(x)[0].expert_N.view(args.tokens, -1).tolist()
+    every = [None] * dist.get_world_size()
+    dist.all_gather_object(every, experts_TK)
+    return node_bytes(every, args.ep, ranks, args.experts, args.dim * esize)
+
+
 def bench_dispatch(args, dtype) -> dict:
-    rank, dims, meshes = _setup(args.ep, args.experts)
+    rank, dims, meshes = setup(args.ep, args.experts, args.gpus_per_node)
+    ranks = node_layout(args.ep, dims.gpus_per_node, args.experts, args.n_group)
     gen = torch.Generator().manual_seed(1000 + rank)
     x = torch.randn(args.tokens, args.dim, dtype=dtype, generator=gen, requires_grad=True)
     grad = torch.randn(args.tokens, args.dim, dtype=dtype, generator=gen)
     esize = torch.tensor([], dtype=dtype).element_size()
     minimum = 2 * args.top_k * args.dim * esize * (args.ep - 1) / args.ep
     out = {"ep": args.ep, "tokens_per_rank": args.tokens, "dim": args.dim, "experts": args.experts,
-           "top_k": args.top_k, "dtype": args.dtype, "min_bytes_per_token": minimum, "cases": {}}
-    for name in ("alltoall", "dedup", "allgather"):
+           "top_k": args.top_k, "n_group": args.n_group, "topk_group": args.topk_group,
+           "dtype": args.dtype, "min_bytes_per_token": minimum, "cases": {}}
+    names = ("alltoall", "dedup", "allgather") + (("hierarchical",) if ranks < args.ep else ())
+    if ranks < args.ep:
+        out["gpus_per_node"] = ranks
+        out["node_bytes"] = _counted_node_bytes(_moe(args, dtype, rank, dims, meshes), x, args,
+                                                esize, ranks)
+    for name in names:
         moe = _moe(args, dtype, rank, dims, meshes, name)
         timer = getattr(moe.dispatcher, "timer", None)
-        times, shares, floats, ints, a2a_total, a2a_exposed = [], [], [], [], [], []
+        times, shares, floats, ints, a2a_total, a2a_exposed, off_node = [], [], [], [], [], [], []
         tick = Ticker(f"dispatch ({name})", args.warmup, args.repeats)
         for rep in range(args.warmup + args.repeats):
             x.grad = None
             dist.barrier()
-            fwd, bwd = _Meter(), _Meter()
+            fwd, bwd = _Meter(ranks, args.dim), _Meter()
             if timer is not None:
                 timer.reset()
             start = time.perf_counter()
@@ -147,6 +175,7 @@ def bench_dispatch(args, dtype) -> dict:
                 shares.append(a2a["exposed"] / elapsed)
                 floats.append(fwd.float_bytes)
                 ints.append(fwd.int_bytes)
+                off_node.append(fwd.off_node_hidden)
                 a2a_total.append(a2a["total"] * 1000)
                 a2a_exposed.append(a2a["exposed"] * 1000)
             tick(rep + 1)
@@ -165,11 +194,16 @@ def bench_dispatch(args, dtype) -> dict:
             "a2a_total_ms": statistics.median(a2a_total) if timer is not None else None,
             "a2a_exposed_ms": statistics.median(a2a_exposed) if timer is not None else None,
         }
+        if ranks < args.ep:     # measured from the real splits: what left each rank's node
+            every = [None] * dist.get_world_size()
+            dist.all_gather_object(every, statistics.median(off_node))
+            out["cases"][name]["node_bytes_measured"] = [
+                sum(every[n * ranks:(n + 1) * ranks]) for n in range(args.ep // ranks)]
     return out
 
 
 def bench_moe_layer_ep(args, dtype) -> dict:
-    rank, dims, meshes = _setup(args.ep, args.experts)
+    rank, dims, meshes = setup(args.ep, args.experts)
     moe = _moe(args, dtype, rank, dims, meshes)
     ideal = FeedForward(args.dim, args.ffn_dim).to(dtype)
     plain = PlainSwiGLU(args.dim, args.top_k * args.ffn_dim).to(dtype)
@@ -231,7 +265,8 @@ def launched() -> bool:
 
 def print_dispatch(result: dict):
     print(f"dispatch ep={result['ep']} T={result['tokens_per_rank']}/rank D={result['dim']} "
-          f"E={result['experts']} k={result['top_k']} {result['dtype']}; minimum "
+          f"E={result['experts']} k={result['top_k']} groups {result['topk_group']} of "
+          f"{result['n_group']} {result['dtype']}; minimum "
           f"{result['min_bytes_per_token']:.0f} bytes/token (k*D*bytes*(ep-1)/ep, both ways)")
     print(f"  {'dispatcher':16s} {'ms':>8s} {'bytes/token':>12s} {'vs min':>7s} {'incl. ids':>10s} "
           f"{'a2a total':>10s} {'exposed':>8s} {'of step':>8s}")
@@ -243,6 +278,15 @@ def print_dispatch(result: dict):
                    f"{100 * c['comm_share']:7.0f}%")
         print(f"  {name:16s} {c['ms']:8.1f} {c['bytes_per_token_hidden']:12.0f} {c['vs_minimum']:7.3f} "
               f"{c['bytes_per_token_all']:10.0f} {a2a}")
+    if "node_bytes" in result:
+        nodes = result["ep"] // result["gpus_per_node"]
+        print(f"  bytes of hidden state that leave each node (forward: dispatch + combine), "
+              f"{nodes} nodes of {result['gpus_per_node']} ranks; counted from the routing, "
+              "and measured from the all-to-all splits:")
+        for name, counted in result["node_bytes"].items():
+            measured = result["cases"][name]["node_bytes_measured"]
+            print(f"  {name:16s} counted {' '.join(f'{b:>12,d}' for b in counted)}   measured "
+                  f"{' '.join(f'{b:>12,d}' for b in measured)}")
     print("  a2a total: time with an all-to-all in flight (forward + backward); exposed: time the "
           "host spent issuing and waiting on them (it can exceed the total on a loaded machine, "
           "where the waiting process resumes late)")

@@ -18,12 +18,11 @@ be a model Mixtral can express (the same check as `moepar convert --to hf --arch
 import contextlib
 import statistics
 import tempfile
-import time
 
 import torch
 
 from moepar.bench.ticker import Ticker
-from moepar.bench.train import flops_per_token, sync_device
+from moepar.bench.train import alternate, flops_per_token
 from moepar.hf.arch import ARCHS, arch_problems, hf_config_dict
 from moepar.train import Trainer
 
@@ -113,17 +112,7 @@ def bench_against_hf(cfg, steps: int = 10, warmup: int = 2,
         device = trainer.device
         plain = _PlainLoop(cfg, device, experts_implementation)
         runs = {"moepar": trainer.train_step, "hf": plain.step}
-        times = {name: [] for name in runs}
-        tick = Ticker("train --against-hf", warmup, steps)
-        for i in range(warmup + steps):
-            for name, run in runs.items():
-                sync_device(device)
-                start = time.perf_counter()
-                run()
-                sync_device(device)
-                if i >= warmup:
-                    times[name].append(time.perf_counter() - start)
-            tick(i + 1)
+        times = alternate(runs, device, warmup, steps, Ticker("train --against-hf", warmup, steps))
     tokens = cfg.train.global_batch_size * cfg.train.seq_len
     step_s = {name: statistics.median(t) for name, t in times.items()}
     return {"device": str(device), "dtype": cfg.train.dtype, "tokens_per_step": tokens,

@@ -45,6 +45,22 @@ def sync_device(device):
         torch.cuda.synchronize(device)
 
 
+def alternate(runs: dict, device, warmup: int, steps: int, tick) -> dict:
+    """{name: seconds of each timed call}: the callables of `runs` called in turn, warmup + steps
+    rounds (the first `warmup` untimed), so every one sees the same state of the machine."""
+    times = {name: [] for name in runs}
+    for i in range(warmup + steps):
+        for name, run in runs.items():
+            sync_device(device)
+            start = time.perf_counter()
+            run()
+            sync_device(device)
+            if i >= warmup:
+                times[name].append(time.perf_counter() - start)
+        tick(i + 1)
+    return times
+
+
 def bench_train(cfg, steps: int = 10, warmup: int = 2, peak_tflops: float | None = None) -> dict:
     with tempfile.TemporaryDirectory() as tmp:
         cfg.run.dir, cfg.run.tensorboard = tmp, False

@@ -120,7 +120,7 @@ class PendingSave:
             moments, canonical, optim_file, stage, prefix=lambda lt: lt.name.split("/", 1)[0] + "/")
         for lt in moments:       # one step count per canonical tensor, with the box at its origin
             for seg in lt.segments:
-                if seg.writes and not any(seg.canon.offsets) and lt.name.startswith("exp_avg/"):
+                if seg.writes and not any(seg.canon.offsets) and lt.name.startswith(_STEP_KINDS):
                     key = f"step/{seg.name}"
                     entries.append((key, torch.float32, (),
                                     lambda t=steps[lt.name]: t.detach().float().cpu().reshape(())))
@@ -200,6 +200,10 @@ class PendingSave:
             self.discarding.append(discard(os.path.join(self.root, f"step_{old_step}")))
 
 
+# The optimizer tensor a parameter's step count is stored beside (AdamW's, Muon's).
+_STEP_KINDS = ("exp_avg/", "momentum_buffer/")
+
+
 def _check_finite(key: str, tensor: torch.Tensor):
     """Refuses to write NaN or Inf (a diverged model is not a checkpoint)."""
     if tensor.is_floating_point() and tensor.numel() and not bool(torch.isfinite(tensor).all()):
@@ -215,8 +219,10 @@ def _check_coverage(index: dict, canonical: dict, step: int) -> str | None:
     bad = [n for n, pieces in index["model"].items()
            if n not in canonical or not volume_ok(pieces, canonical[n].shape)]
     if index["optimizer"]:
-        for kind in ("exp_avg", "exp_avg_sq"):
-            for n, t in canonical.items():
+        for n, t in canonical.items():   # AdamW's two moments, or Muon's momentum (muon.py)
+            kinds = (("momentum_buffer",) if f"momentum_buffer/{n}" in index["optimizer"]
+                     else ("exp_avg", "exp_avg_sq"))
+            for kind in kinds:
                 pieces = index["optimizer"].get(f"{kind}/{n}")
                 if t.trainable and (pieces is None or not volume_ok(pieces, t.shape)):
                     bad.append(f"{kind}/{n}")

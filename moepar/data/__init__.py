@@ -2,6 +2,8 @@
 fingerprint) and `moepar data prepare`, which writes tokenized folders.
 
     tokens.py     byte tokenizer, one-array sources, WindowSampler
+    documents.py  document boundaries of a folder; packed windows (data.pack, data.pad)
+    packing.py    PackedSampler: micro-batches of packed windows with document numbers
     folder.py     reading a prepared folder: index, shards checked then memory-mapped
     sources.py    [data] -> sources, blend, fingerprint, validation batches; build_sampler
     tokenizer.py  tokenizer.json / bytes, and the EOS id
@@ -18,7 +20,7 @@ _EXPORTS = {
     "ByteTokenizer": "tokens", "load_tokens": "tokens", "check_token_range": "tokens",
     "WindowSampler": "tokens", "BlendedSampler": "sources", "build_sampler": "sources",
     "fingerprint": "sources", "check_same_dataset": "sources", "validation_batches": "sources",
-    "PreparedFolder": "folder", "ShardedTokens": "folder",
+    "PreparedFolder": "folder", "ShardedTokens": "folder", "PackedSampler": "packing",
 }
 __all__ = list(_EXPORTS)
 

@@ -167,7 +167,11 @@ INDEX_SCHEMA = Obj({
     "dtype": Str(choices=SHARD_DTYPES),
     "tokenizer": Obj({"sha256": Str(), "vocab_size": Int(1, 1 << 32), "eos_id": Int(0, 1 << 32)},
                      required=("sha256", "vocab_size", "eos_id")),
-    "splits": Map(Obj({"shards": List(_SHARD, max_len=1 << 20)}, required=("shards",)))},
+    "splits": Map(Obj({"shards": List(_SHARD, max_len=1 << 20),
+                       "documents": Obj({"file": Str(pattern=r"[^/\\\x00]+"),
+                                         "num_documents": Int(0, 1 << 53), "sha256": _HEX},
+                                        required=("file", "num_documents", "sha256"))},
+                      required=("shards",)))},
     required=("format", "version", "dtype", "tokenizer", "splits"))
 
 # Files whose SHA-256 this process has checked: (real path, size, mtime, inode) -> sha256

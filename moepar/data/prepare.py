@@ -32,6 +32,7 @@ import numpy as np
 
 from moepar import __version__
 from moepar.data.bpe import train_bpe
+from moepar.data.documents import write_document_ends
 from moepar.data.folder import FORMAT, INDEX, VERSION, is_prepared
 from moepar.data.split import Reserve, doc_hash, raised_threshold, seed_key
 from moepar.data.tokenizer import TokenizerSpec, load_encoder, resolve_tokenizer
@@ -191,6 +192,7 @@ class Tokenized:
     empty_docs: int         # JSON lines skipped for an empty text
     raw_bytes: int
     train_keys: list        # (hash, tokens with EOS) of each training document
+    lengths: dict           # split -> int64 tokens (with EOS) of each of its documents
 
 
 class BlockTokenizer:
@@ -220,16 +222,19 @@ class BlockTokenizer:
         hashes = [doc_hash(d, self.key) for d in kept]
         is_val = [h < self.threshold for h in hashes]
         eos = np.array([self.spec.eos_id], dtype=self.spec.dtype)
-        parts, train_keys = {False: [], True: []}, []
+        parts, train_keys, lengths = {False: [], True: []}, [], {False: [], True: []}
         for ids, val, h in zip(self.encode(kept), is_val, hashes, strict=True):
             parts[val] += [ids, eos]
+            lengths[val].append(len(ids) + 1)
             if not val:
                 train_keys.append((h, len(ids) + 1))
         joined = {k: np.concatenate(v) if v else np.zeros(0, self.spec.dtype)
                   for k, v in parts.items()}
         n_val = sum(is_val)
         return Tokenized(block.file, joined[False], joined[True], len(kept) - n_val, n_val,
-                         empty, block.raw_bytes, train_keys)
+                         empty, block.raw_bytes, train_keys,
+                         {"train": np.array(lengths[False], np.int64),
+                          "val": np.array(lengths[True], np.int64)})
 
 
 _JOB: BlockTokenizer | None = None    # each worker process's own job (multiprocessing idiom)
@@ -280,8 +285,11 @@ class ShardWriter:
         self.folder, self.split, self.shards = folder, split, []
         self.buf = np.empty(shard_tokens, dtype=dtype)     # pages are touched only as filled
         self.fill = 0
+        self.lengths = []     # each block's document lengths (documents.py writes their ends)
 
-    def add(self, ids: np.ndarray):
+    def add(self, ids: np.ndarray, lengths: np.ndarray | None = None):
+        if lengths is not None:
+            self.lengths.append(lengths)
         while len(ids):
             take = min(len(self.buf) - self.fill, len(ids))
             self.buf[self.fill:self.fill + take] = ids[:take]
@@ -303,7 +311,8 @@ class ShardWriter:
     def summary(self, docs: int) -> dict:
         self.flush()
         return {"num_tokens": sum(s["num_tokens"] for s in self.shards), "num_documents": docs,
-                "shards": self.shards}
+                "shards": self.shards,
+                "documents": write_document_ends(self.folder, self.split, self.lengths)}
 
 
 class Progress:
@@ -405,8 +414,8 @@ def _write(opts: PrepareOptions, spec: TokenizerSpec, tmp: str, stderr, threshol
     job = BlockTokenizer(spec, opts, threshold)
     reserve = Reserve(opts.val_tokens) if opts.val_fraction > 0 and opts.val_tokens else None
     for result in _ordered_results(job, _read_blocks(opts.inputs, opts), opts.workers):
-        writers["train"].add(result.train)
-        writers["val"].add(result.val)
+        writers["train"].add(result.train, result.lengths["train"])
+        writers["val"].add(result.val, result.lengths["val"])
         if reserve is not None:
             reserve.add(result.train_keys)
         for split in docs:

@@ -15,7 +15,9 @@ import math
 import numpy as np
 import torch
 
+from moepar.data.documents import document_numbers, pack_window, read_document_ends
 from moepar.data.folder import PreparedFolder, is_prepared
+from moepar.data.packing import PackedSampler
 from moepar.data.tokens import WindowSampler, check_token_range, load_tokens, read_token_file
 
 __all__ = ["Source", "open_sources", "build_sampler", "BlendedSampler", "fingerprint",
@@ -158,7 +160,13 @@ def build_sampler(cfg):
             check_token_range(tokens, vocab, source.label if data.source == "tokens" else
                               f"data.source={data.source}")
     sources, tokens = [s for s, _ in opened], [t for _, t in opened]
-    if len(sources) == 1:
+    if data.pack == "documents":     # one prepared folder (config.py refuses the others)
+        if sources[0].folder is None:
+            raise ValueError(f"data.pack='documents': data.path={data.path!r} is not a folder "
+                             "from `moepar data prepare` (a token file records no documents)")
+        sampler = PackedSampler(sources[0].folder, tokens[0], t.seq_len, t.micro_batch_size,
+                                t.seed, vocab, sources[0].label, data.pad)
+    elif len(sources) == 1:
         name = sources[0].label if data.source == "tokens" else f"data.source={data.source}"
         sampler = WindowSampler(tokens[0], t.seq_len, t.micro_batch_size, t.seed, vocab, name)
     else:
@@ -179,17 +187,19 @@ def _allot(total: int, weights: list[float]) -> list[int]:
 
 
 def validation_batches(data, num_batches: int, batch_size: int, seq_len: int,
-                       vocab_size: int | None = None) -> list[tuple[torch.Tensor, torch.Tensor]]:
+                       vocab_size: int | None = None) -> list[tuple[torch.Tensor, ...]]:
     """num_batches (inputs_BS, targets_BS) pairs from the prepared folders' `val` splits: the same
     every call, whatever the training layout. Windows are shared among a blend's sources by its
-    weights and spread evenly over each split, never overlapping in the tokens they predict."""
+    weights and spread evenly over each split, never overlapping in the tokens they predict.
+    data.pack='documents': (inputs_BS, targets_BS, documents_BS), the windows cut into their
+    documents (moepar/data/documents.py)."""
     opened = open_sources(data)
     for source, _ in opened:
         if source.folder is None:
             raise ValueError(f"{source.label}: only folders from `moepar data prepare` have a "
                              "validation split; prepare one with --val-fraction > 0")
     weights = _weights(data, [len(t) for _, t in opened])
-    rows = []
+    rows, packed = [], []
     for (source, _), count in zip(opened, _allot(num_batches * batch_size, weights), strict=True):
         if count == 0:
             continue
@@ -204,11 +214,19 @@ def validation_batches(data, num_batches: int, batch_size: int, seq_len: int,
                              f"`moepar data prepare ... --val-tokens {need} --overwrite`, or "
                              f"evaluate fewer windows (it holds {holds}: train.eval_batches x "
                              f"train.global_batch_size of them)")
+        ends = read_document_ends(source.folder, "val", source.label) \
+            if data.pack == "documents" else None
         for j in range(count):
             start = span * j // max(count - 1, 1)
             rows.append(np.asarray(val[start:start + seq_len + 1]))
+            if ends is not None:   # the same windows, cut into their documents (never padded)
+                packed.append(pack_window(rows[-1].astype(np.int64), document_numbers(
+                    start, ends, seq_len, pad=False), source.folder.eos_id))
     window_BS = torch.from_numpy(np.stack(rows).astype(np.int64))
     if vocab_size is not None and int(window_BS.max()) >= vocab_size:
         raise ValueError(f"validation data: token id {int(window_BS.max())} is outside "
                          f"[0, model.vocab_size={vocab_size})")
+    if packed:
+        columns = [torch.from_numpy(np.stack(col)).split(batch_size) for col in zip(*packed)]
+        return list(zip(*columns, strict=True))
     return [(w[:, :-1], w[:, 1:]) for w in window_BS.split(batch_size)]

@@ -199,7 +199,8 @@ def _model_and_router(arch: Arch, cfg: dict) -> tuple[ModelConfig, RouterConfig]
         qk_norm=arch.qk_norm, tie_embeddings=bool(cfg.get("tie_word_embeddings", False)),
         **_mla_fields(arch, cfg), **_rope_fields(cfg),
         max_seq_len=cfg.get("max_position_embeddings", 4096),
-        norm_eps=float(cfg.get("rms_norm_eps", 1e-6)), init_std=cfg.get("initializer_range", 0.02))
+        norm_eps=float(cfg.get("rms_norm_eps", 1e-6)), init_std=cfg.get("initializer_range", 0.02),
+        mtp_layers=mtp_layers(cfg) if arch.mla else 0)   # others' MTP layers are dropped
     routing = {}
     if arch.mla:   # sigmoid scores, score-correction bias, group-limited top-k, scaling
         for key, want in (("topk_method", "noaux_tc"), ("scoring_func", "sigmoid")):
@@ -293,6 +294,9 @@ def arch_problems(arch: Arch, cfg: ModelConfig, router: RouterConfig) -> list[st
     elif arch.shared and cfg.shared_gate != arch.shared_gate:
         problems.append(f"{has} model.shared_gate={str(cfg.shared_gate).lower()}; {name} needs "
                         f"{str(arch.shared_gate).lower()}")
+    if cfg.mtp_layers and not arch.mla:
+        problems.append(f"{has} model.mtp_layers={cfg.mtp_layers}; {name} has no "
+                        "multi-token-prediction layers (needs 0; deepseek_v3 has them)")
     if cfg.attention_bias and arch.name != "qwen2_moe":
         problems.append(f"{has} model.attention_bias=true; {name} has no q/k/v biases (needs false)")
     if (cfg.attention == "mla") != arch.mla:
@@ -442,6 +446,7 @@ def hf_config_dict(arch: Arch, cfg: ModelConfig, router: RouterConfig) -> dict:
                    head_dim=cfg.qk_rope_head_dim, n_group=router.n_group,
                    topk_group=router.topk_group, routed_scaling_factor=router.routed_scaling_factor,
                    topk_method="noaux_tc", scoring_func="sigmoid", rope_interleave=True,
-                   attention_bias=False, num_key_value_heads=cfg.num_heads, num_nextn_predict_layers=0)
+                   attention_bias=False, num_key_value_heads=cfg.num_heads,
+                   num_nextn_predict_layers=cfg.mtp_layers)
         out.pop("num_experts", None)
     return out

@@ -8,7 +8,8 @@
 Conversion streams: one source shard is read at a time, and a tensor is held only until its
 partner arrives (an expert's gate and up projections become one `w_in`), so two full copies of
 the model never sit in memory. FP8 block-quantized weights (DeepSeek-V3) are dequantized as they
-stream in; multi-token-prediction layers are dropped with a note. Every (layer, expert) tensor
+stream in; DeepSeek-V3's multi-token-prediction layers become model.mtp_layers (names.py), other
+architectures' are dropped with a note. Every (layer, expert) tensor
 must appear exactly once; a missing, extra or mis-shaped tensor is an error that names it. A
 moepar checkpoint made here is the same format the trainer writes (layout-free names, index, manifest), plus `config.toml` (a run config
 with the model and router sections) and `hf_config.json` (the source's config, written back on
@@ -223,6 +224,15 @@ def _checked(expected: dict, stream):
         yield name, tensor
 
 
+def _stored_mtp_layers(files: list, model_cfg: ModelConfig) -> int:
+    """How many of the MTP layers the model config declares the files hold (from the first)."""
+    layers = {layer_index(name) for _, header in files for name in header}
+    count = 0
+    while count < model_cfg.mtp_layers and model_cfg.num_layers + count in layers:
+        count += 1
+    return count
+
+
 def _without_mtp(tensors, num_layers: int, num_mtp: int, dropped: list):
     """Drops the multi-token-prediction layers (model.layers.<L .. L+num_mtp-1>.*), recording
     their names in `dropped`; a layer beyond those stays, to be refused as unexpected."""
@@ -244,8 +254,11 @@ def _canonical_from_hf(path: str, dtype: torch.dtype = torch.bfloat16, log=print
     cfg_json = load_hf_json(path)
     arch, model_cfg, router_cfg = _read_config(path)
     block = quantization_block(cfg_json)     # refuses other quantizations before any tensor
-    num_mtp = mtp_layers(cfg_json)
     files = source_files(path)
+    stored = _stored_mtp_layers(files, model_cfg)
+    if stored != model_cfg.mtp_layers:   # declared, not stored (transformers saves no MTP layer)
+        model_cfg = dataclasses.replace(model_cfg, mtp_layers=stored)
+    num_mtp = mtp_layers(cfg_json) - model_cfg.mtp_layers    # the ones the model does not keep
     _check_sizes(path, model_cfg, files, element_bytes)
     expected = expected_canonical(model_cfg, router_cfg)
     tied = model_cfg.tie_embeddings
@@ -256,8 +269,8 @@ def _canonical_from_hf(path: str, dtype: torch.dtype = torch.bfloat16, log=print
         produced = set()
         source = ((n, t) for n, t in hf_tensors(path, files)
                   if not (tied and n == "lm_head.weight"))
-        source = dequantized(_without_mtp(source, model_cfg.num_layers, num_mtp, report["dropped"]),
-                             block, dtype)
+        source = dequantized(_without_mtp(source, model_cfg.num_layers + model_cfg.mtp_layers,
+                                          num_mtp, report["dropped"]), block, dtype)
         for name, tensor in _checked(expected, hf_to_canonical(arch, model_cfg, source, interleaved)):
             if name in produced:
                 raise ConversionError(f"tensor {name!r} appears more than once")

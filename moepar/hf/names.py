@@ -5,7 +5,15 @@ up projection arrives (an expert's gate and up become one `w_in`), and q and k u
 (HF's separate q_proj, k_proj, v_proj become one `qkv_proj` along dim 0; export splits it again);
 DeepSeek's interleaved RoPE rows are permuted into rotate-half halves on the way in and back on
 the way out.
+
+DeepSeek-V3's multi-token-prediction layers (model.layers.<num_hidden_layers + k>.*) map to
+`mtp.<k>.*` (layers/mtp.py): enorm, hnorm, eh_proj, shared_head.norm -> norm, the decoder
+block's tensors under `mtp.<k>.block.*`. Their embed_tokens and shared_head.head are stored
+copies of the main embedding and head, which moepar shares: on import each must equal the main
+one (a SHA-256 of the bytes is compared, nothing is held), on export they are written again.
 """
+
+import hashlib
 
 import re
 
@@ -18,7 +26,13 @@ from moepar.layers.model import ModelConfig
 from moepar.layers.router import RouterConfig
 
 __all__ = ["hf_to_canonical", "canonical_to_hf", "expected_canonical", "rope_interleaved",
-           "layer_index"]
+           "layer_index", "MTP_SHARED"]
+
+# An MTP layer's stored copies of the shared tensors: HF leaf -> the main model's HF name.
+MTP_SHARED = {"embed_tokens.weight": "model.embed_tokens.weight",
+              "shared_head.head.weight": "lm_head.weight"}
+_MTP_OWN = {"enorm.weight": "enorm.weight", "hnorm.weight": "hnorm.weight",
+            "eh_proj.weight": "eh_proj.weight", "shared_head.norm.weight": "norm.weight"}
 
 
 def rope_interleaved(cfg_json: dict) -> bool:
@@ -61,6 +75,20 @@ def _hf_role(arch: Arch, cfg: ModelConfig, name: str):
     if not m:
         return None
     i, rest = int(m.group(1)), m.group(2)
+    pre = f"layers.{i}"
+    if cfg.num_layers <= i < cfg.num_layers + cfg.mtp_layers:     # an MTP depth (layers/mtp.py)
+        k = i - cfg.num_layers
+        if rest in _MTP_OWN:
+            return f"mtp.{k}.{_MTP_OWN[rest]}", "copy", 0
+        if rest in MTP_SHARED:
+            return MTP_SHARED[rest], "shared", 0
+        role = _block_role(arch, cfg, i, rest)
+        return None if role is None else (f"mtp.{k}.block" + role[0][len(pre):], *role[1:])
+    return _block_role(arch, cfg, i, rest)
+
+
+def _block_role(arch: Arch, cfg: ModelConfig, i: int, rest: str):
+    """_hf_role for tensor `rest` of decoder block i (a main layer or an MTP depth's block)."""
     pre = f"layers.{i}"
     simple = {"input_layernorm.weight": "attn_norm.weight",
               "post_attention_layernorm.weight": "ffn_norm.weight"}
@@ -132,15 +160,21 @@ def hf_to_canonical(arch: Arch, cfg: ModelConfig, tensors, interleaved: bool = F
     `interleaved`: the checkpoint's RoPE rows are interleaved pairs (DeepSeek); they are
     reordered into rotate-half halves on the way in."""
     pending: dict[str, list] = {}
+    digests, copies = {}, []     # the shared tensors' SHA-256; (MTP copy, main HF name, digest)
     for name, tensor in tensors:
         if _IGNORED.search(name):
             continue
+        if name in MTP_SHARED.values() and cfg.mtp_layers:
+            digests[name] = _digest(tensor)
         role = _hf_role(arch, cfg, name)
         if role is None:
             raise ConversionError(f"unexpected tensor {name!r} for {arch.name} (layer kinds: "
                                   f"MoE layers {[i for i in range(cfg.num_layers) if cfg.is_moe_layer(i)]})")
         target, how, part = role
-        if how == "copy":
+        if how == "shared":    # an MTP layer's copy of the main embedding or head: compared
+            main = "model.embed_tokens.weight" if cfg.tie_embeddings else target
+            copies.append((name, main, _digest(tensor)))
+        elif how == "copy":
             yield target, tensor
         elif how in ("rope_q", "rope_kv"):
             yield target, (tensor[_rope_rows(cfg, how[5:], inverse=False)] if interleaved else tensor)
@@ -165,6 +199,18 @@ def hf_to_canonical(arch: Arch, cfg: ModelConfig, tensors, interleaved: bool = F
         missing = sorted(pending)[:5]
         raise ConversionError(f"gate/up halves or q/k/v parts without their partners for "
                               f"{missing}")
+    for name, main, digest in copies:
+        if digests.get(main) != digest:
+            raise ConversionError(f"{name} differs from {main}: moepar's multi-token prediction "
+                                  "shares the main model's embedding and head, so the MTP layer's "
+                                  "stored copy must equal them")
+
+
+def _digest(tensor: torch.Tensor) -> str:
+    """SHA-256 of a tensor's dtype, shape and bytes."""
+    h = hashlib.sha256(f"{tensor.dtype}{tuple(tensor.shape)}".encode())
+    h.update(tensor.detach().contiguous().cpu().view(torch.uint8).numpy())
+    return h.hexdigest()
 
 
 _MLA_OUT = {"q_a_proj.weight": "q_a_proj.weight", "q_a_norm.weight": "q_a_layernorm.weight",
@@ -178,8 +224,24 @@ def canonical_to_hf(arch: Arch, cfg: ModelConfig, tensors, interleaved: bool = F
     gate, up, down = arch.expert
     for name, t in tensors:
         if name in _TOP.values():
-            yield next(k for k, v in _TOP.items() if v == name), t
+            hf_name = next(k for k, v in _TOP.items() if v == name)
+            yield hf_name, t
+            shared = [leaf for leaf, main in MTP_SHARED.items()
+                      if main == hf_name or (cfg.tie_embeddings and name == "embed.weight")]
+            for k in range(cfg.mtp_layers):      # each MTP layer's stored copy (see above)
+                for leaf in shared:
+                    yield f"model.layers.{cfg.num_layers + k}.{leaf}", t.clone()
             continue
+        m_mtp = re.match(r"^mtp\.(\d+)\.(.+)$", name)
+        if m_mtp:
+            pre = f"model.layers.{cfg.num_layers + int(m_mtp.group(1))}"
+            own = {v: hf for hf, v in _MTP_OWN.items()}
+            if m_mtp.group(2) in own:
+                yield f"{pre}.{own[m_mtp.group(2)]}", t
+                continue
+            if not m_mtp.group(2).startswith("block."):
+                raise ConversionError(f"unexpected moepar tensor {name!r}")
+            name = f"layers.{cfg.num_layers + int(m_mtp.group(1))}.{m_mtp.group(2)[6:]}"
         m = re.match(r"^layers\.(\d+)\.(.+)$", name)
         if not m:
             raise ConversionError(f"unexpected moepar tensor {name!r}")

@@ -57,7 +57,7 @@ def next_token(logits_BV, temperature: float, top_p: float, generator=None):
 def _check(model, input_ids, max_new_tokens: int, temperature: float, top_p: float):
     if input_ids.dim() != 2 or input_ids.shape[1] < 1:
         raise ValueError(f"input_ids must be [batch, tokens] with at least one token, got shape "
-                         f"{tuple(input_ids.shape)} (rows of one length; no padding)")
+                         f"{tuple(input_ids.shape)} (or a list of prompts of several lengths)")
     if max_new_tokens < 0:
         raise ValueError(f"max_new_tokens={max_new_tokens} must be >= 0")
     if not temperature >= 0:
@@ -73,6 +73,19 @@ def _check(model, input_ids, max_new_tokens: int, temperature: float, top_p: flo
         raise ValueError(f"input_ids hold ids outside [0, model.vocab_size={vocab})")
 
 
+def _left_padded(prompts, device):
+    """Prompts of several lengths as one [B, T] batch padded on the left, and its documents
+    (-1 on the padding, 0 on each prompt: layers/documents.py)."""
+    rows = [torch.as_tensor(p, device=device).reshape(-1) for p in prompts]
+    width = max(len(r) for r in rows)
+    input_ids = torch.zeros(len(rows), width, dtype=torch.long, device=device)
+    documents = torch.full((len(rows), width), -1, dtype=torch.long, device=device)
+    for b, row in enumerate(rows):
+        input_ids[b, width - len(row):] = row
+        documents[b, width - len(row):] = 0
+    return input_ids, documents, [len(r) for r in rows]
+
+
 @torch.no_grad()
 def generate(model, input_ids, max_new_tokens: int = 64, temperature: float = 0.8,
              top_p: float = 0.95, seed: int = 0, eos_ids=()):
@@ -80,15 +93,24 @@ def generate(model, input_ids, max_new_tokens: int = 64, temperature: float = 0.
     n <= max_new_tokens. With `eos_ids`, a row ends at its first EOS (later positions repeat
     eos_ids[0], as transformers pads them) and decoding stops once every row has ended.
     MoE layers route as `model` was built, each call one capacity group (see the module
-    docstring; `load` and `from_hf` build them dropless)."""
+    docstring; `load` and `from_hf` build them dropless). `input_ids` may also be a list of
+    prompts of several lengths: they run as one batch padded on the left, the padding masked
+    as packed training masks it (attention, RoPE positions from 0 at each prompt, routers), and
+    a list of rows comes back, each its prompt and new tokens, as if it ran alone."""
     device = model.embed.weight.device
+    documents, lengths = None, None
+    ragged = isinstance(input_ids, (list, tuple)) and all(
+        isinstance(p, (list, tuple, torch.Tensor)) for p in input_ids)     # (not one flat row)
+    if ragged and len({len(p) for p in input_ids}) > 1:
+        input_ids, documents, lengths = _left_padded(input_ids, device)
     input_ids = torch.as_tensor(input_ids, device=device)
     input_ids = input_ids[None] if input_ids.dim() == 1 else input_ids
     _check(model, input_ids, max_new_tokens, temperature, top_p)
     generator = torch.Generator(device=device).manual_seed(seed) if temperature > 0 else None
     eos = torch.tensor(list(eos_ids), dtype=input_ids.dtype, device=device)
     cache = model.new_cache(input_ids.shape[1] + max_new_tokens)
-    logits_BV = model(input_ids, cache=cache, logits_to_keep=1)[0][:, -1]
+    packed = {} if documents is None else {"documents": documents}
+    logits_BV = model(input_ids, cache=cache, logits_to_keep=1, **packed)[0][:, -1]
     done_B = torch.zeros(input_ids.shape[0], dtype=torch.bool, device=device)
     new = []
     for i in range(max_new_tokens):
@@ -100,8 +122,14 @@ def generate(model, input_ids, max_new_tokens: int = 64, temperature: float = 0.
         # One host sync per token, only when there is an EOS to stop at.
         if i + 1 == max_new_tokens or (eos.numel() and bool(done_B.all())):
             break
-        logits_BV = model(token_B[:, None], cache=cache)[0][:, -1]
-    return torch.cat([input_ids, *(t[:, None] for t in new)], dim=1)
+        if documents is not None:     # each new token belongs to its row's prompt
+            documents = torch.cat([documents, documents[:, -1:]], dim=1)
+            packed = {"documents": documents}
+        logits_BV = model(token_B[:, None], cache=cache, **packed)[0][:, -1]
+    out = torch.cat([input_ids, *(t[:, None] for t in new)], dim=1)
+    if lengths is None:
+        return out
+    return [row[input_ids.shape[1] - n:] for row, n in zip(out, lengths, strict=True)]
 
 
 class LanguageModel(torch.nn.Module):

@@ -67,6 +67,7 @@ class Request:
     schedules: tuple = ("1f1b", "interleaved_1f1b")
     max_bubble: float = 0.25
     max_micro_batch: int = 16
+    imbalance_by_ep: dict | None = None   # --placement: the imbalance per ep (overrides it)
 
     @property
     def global_seqs(self) -> int:
@@ -215,7 +216,8 @@ class _Context:
         req, model, gpu = self.req, cfg.model, self.req.gpu
         t = cfg.train
         num_micro = t.global_batch_size // (t.micro_batch_size * dims.dp)
-        row_factor = rows_per_rank(dims.ep, model.top_k, layout.capacity_factor, req.imbalance)
+        imbalance = (req.imbalance_by_ep or {}).get(dims.ep, req.imbalance)
+        row_factor = rows_per_rank(dims.ep, model.top_k, layout.capacity_factor, imbalance)
         spec = ActSpec(layout.micro_batch, req.seq_len, dims.tp, dims.ep, t.dtype, layout.zero,
                        layout.recompute, row_factor, kernels="cuda")
         wire = {"": None, "float32": 4, "bfloat16": 2}[cfg.parallel.grad_reduce_dtype]

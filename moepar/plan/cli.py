@@ -2,7 +2,8 @@
 
     moepar plan MODEL --gpus N [--gpu h100-80g] [--gpus-per-node 8] [--seq-len S]
                 [--global-batch-tokens B] [--json] [--write plan.toml] [--explain]
-                [--from-run RUN | --imbalance F] [--set FIELD=VALUE ...] [--section.key=value ...]
+                [--from-run RUN [--placement P [--replicas N]] | --imbalance F]
+                [--set FIELD=VALUE ...] [--section.key=value ...]
 
 MODEL is a moepar TOML config or a Hugging Face config.json (or its folder); config keys can be
 overridden as for `moepar train` (the model, router, dtype, the layout "the config's own layout"
@@ -20,7 +21,7 @@ from .candidates import Request, config_layout, evaluate, search
 from .hardware import FIELDS, PRESETS, resolve_gpu
 from .report import assumptions, breakdown, rejected_lines, table, to_json
 from .rules import explain
-from .source import imbalance_from_run, load_model
+from .source import imbalance_from_run, load_model, placement_imbalance
 from .writer import best_runnable, runnable, write_plan
 
 __all__ = ["main", "build_parser", "DEFAULT_IMBALANCE"]
@@ -54,6 +55,12 @@ def build_parser() -> argparse.ArgumentParser:
                         f"{DEFAULT_IMBALANCE})")
     p.add_argument("--from-run", metavar="RUN", help="take the imbalance from a run directory's "
                                                      "metrics.jsonl (max_load_ratio)")
+    p.add_argument("--placement", choices=["contiguous", "balanced"], default=None,
+                   help="with --from-run: the busiest EP rank's rows per ep under this expert "
+                        "placement of the run's measured load (expert_load.jsonl)")
+    p.add_argument("--replicas", type=int, default=0,
+                   help="with --placement balanced: replica slots per rank "
+                        "(parallel.expert_replicas)")
     p.add_argument("--routing", choices=["config", "dropless", "capacity", "both"],
                    default="config", help="routing to plan for (default: the config's)")
     p.add_argument("--capacity-factor", type=float, default=1.25,
@@ -97,7 +104,16 @@ def _request(args) -> tuple[Request, str, str]:
     imbalance, why = args.imbalance, "--imbalance"
     if imbalance is None:
         imbalance, why = DEFAULT_IMBALANCE, "default"
-    if args.from_run:
+    by_ep = None
+    if args.placement and not args.from_run:
+        raise ValueError("--placement reads the measured load of --from-run RUN: give both")
+    if args.replicas < 0 or (args.replicas and args.placement != "balanced"):
+        raise ValueError(f"--replicas {args.replicas} needs --placement balanced and must be >= 0")
+    if args.from_run and args.placement:
+        by_ep, why = placement_imbalance(args.from_run, base.model, args.gpus, args.placement,
+                                         args.replicas)
+        imbalance = max(by_ep.values())
+    elif args.from_run:
         imbalance, why = imbalance_from_run(args.from_run)
     if not imbalance >= 1:
         raise ValueError(f"--imbalance {imbalance} must be >= 1 (busiest over mean)")
@@ -112,7 +128,8 @@ def _request(args) -> tuple[Request, str, str]:
         raise ValueError(f"--schedules {args.schedules!r}: choose from 1f1b, interleaved_1f1b, gpipe")
     routing = ("dropless", "capacity") if args.routing == "both" else (args.routing,)
     req = Request(base, args.gpus, args.gpus_per_node, seq_len, tokens, gpu, imbalance, modes,
-                  routing, args.capacity_factor, schedules, args.max_bubble)
+                  routing, args.capacity_factor, schedules, args.max_bubble,
+                  imbalance_by_ep=by_ep)
     return req, source, why
 
 

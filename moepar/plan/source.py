@@ -8,10 +8,13 @@ import shutil
 import tempfile
 
 from moepar.config import DataConfig, RunConfig, load_config, to_toml
+from moepar.expert_placement import measured_load
 from moepar.hf.arch import ConversionError, read_hf_config
 from moepar.jsonfile import open_regular, parse_json
+from moepar.metrics import moe_layer_numbers
+from moepar.parallel.expert_map import balanced, contiguous, imbalance
 
-__all__ = ["load_model", "imbalance_from_run"]
+__all__ = ["load_model", "imbalance_from_run", "placement_imbalance"]
 
 
 def load_model(path: str, overrides: list[str] = ()) -> tuple[RunConfig, str]:
@@ -92,3 +95,22 @@ def imbalance_from_run(run_dir: str) -> tuple[float, str]:
     factor = max(r for _, r in later)
     return max(factor, 1.0), (f"max_load_ratio of {path}, max over steps {later[0][0]}.."
                               f"{later[-1][0]} ({len(later)} steps)")
+
+
+def placement_imbalance(run_dir: str, model_cfg, world: int, placement: str,
+                        replicas: int) -> tuple[dict[int, float], str]:
+    """Per EP size (every divisor of the expert count up to `world`), the busiest EP rank's rows
+    over the mean under `placement` (contiguous, or balanced with `replicas` replica slots) of
+    the load `run_dir` measured in the later half of its expert_load.jsonl, worst layer: what
+    `--from-run RUN --placement` plans with. Returns (factors, where they came from)."""
+    E, layers = model_cfg.num_experts, moe_layer_numbers(model_cfg)
+    load_LE = measured_load(run_dir, 0, layers, E, later_half=True)
+    factors = {}
+    for ep in (n for n in range(1, min(E, world) + 1) if E % n == 0):
+        maps = [balanced(load_E, ep, replicas) if placement == "balanced" else contiguous(E, ep)
+                for load_E in load_LE]
+        factors[ep] = max(max(imbalance(m, load_E) for m, load_E in zip(maps, load_LE,
+                                                                         strict=True)), 1.0)
+    extra = f" with {replicas} replica slot(s) per rank" if placement == "balanced" else ""
+    return factors, (f"{placement} placement{extra} of the load in {run_dir}'s expert_load.jsonl "
+                     f"(later half), busiest EP rank over the mean, per ep")

@@ -14,7 +14,9 @@ Per micro-batch on pipeline rank r (T tokens, t = T/tp, rows = t*K*load):
 |            | again under recompute), each (tp-1)/tp of the bytes, not overlapped              |
 | all-to-all | per MoE layer 4 (6 under full recompute) exchanges of rows*D*(ep-1)/ep bytes, at |
 |            | NVLink speed when the ep group stays in a node, else its off-node share at the   |
-|            | network's; not overlapped (moepar's dispatch waits for it)                       |
+|            | network's; not overlapped (moepar's dispatch waits for it). The hierarchical     |
+|            | dispatcher: its expected off-node rows (dispatch.py) at network speed, then the  |
+|            | fan-out inside the node at NVLink speed                                          |
 | p2p        | pipeline: the hidden state t*D*4 forward and its gradient back, per chunk        |
 | ZeRO-3     | parameters all-gathered in forward and backward, hidden behind compute up to it  |
 
@@ -27,6 +29,7 @@ AdamW, bound by memory bandwidth (~28 bytes per stepped element). Ring collectiv
 (n-1)/n of the bytes (all-reduce twice that) per GPU at link speed * comm_efficiency.
 """
 
+from .dispatch import off_node_rows_per_token, unit_hit
 from .flops import attention_flops, expert_row_flops, ffn_flops, head_flops, moe_token_flops
 
 __all__ = ["stage_seconds", "step_seconds", "ADAMW_BYTES"]
@@ -75,7 +78,9 @@ def stage_seconds(cfg, spec, gpu, stage: dict, links: dict) -> dict:
         exchanges = 4 + (2 if spec.recompute == "full" else 0)
         nbytes = rows * model.dim * a * (spec.ep - 1) / spec.ep
         inside = links["ep_inside"]                  # share of ep peers on this node
-        if links["ep"]:
+        if links["ep"] and cfg.parallel.dispatcher == "hierarchical":
+            seconds = _hierarchical_seconds(cfg, spec, gpu, round(inside * spec.ep), a)
+        elif links["ep"]:
             off = nbytes * (1 - inside) / _bw(gpu, True)
             on = nbytes * inside / _bw(gpu, False)
             seconds = max(off, on)
@@ -86,6 +91,20 @@ def stage_seconds(cfg, spec, gpu, stage: dict, links: dict) -> dict:
         out["p2p"] = 2 * stage["virtual"] * t * model.dim * spec.r / _bw(gpu, links["pp"])
     out["total"] = sum(out[k] for k in ("compute", "tp", "a2a", "p2p"))
     return out
+
+
+def _hierarchical_seconds(cfg, spec, gpu, ranks_per_node: int, a: int) -> float:
+    """One exchange of the hierarchical dispatcher: its rows that leave the node at network
+    speed (plan/dispatch.py), then the relay's fan-out to the other ranks of the node on NVLink
+    (the distinct ranks a token reaches, but the relay itself)."""
+    model, router, ep = cfg.model, cfg.router, spec.ep
+    per_token = spec.local_tokens * spec.row_factor * model.dim * a
+    off = off_node_rows_per_token("hierarchical", model.num_experts, model.top_k, ep,
+                                  ranks_per_node, router.n_group, router.topk_group)
+    ranks = ep * unit_hit(model.num_experts // ep, model.num_experts, model.top_k,
+                          router.n_group, router.topk_group)
+    on = ranks * (ranks_per_node - 1) / ranks_per_node
+    return float(off) * per_token / _bw(gpu, True) + float(on) * per_token / _bw(gpu, False)
 
 
 def _dp_seconds(spec, gpu, stage: dict, links: dict, num_micro: int, wire: int,

@@ -14,7 +14,7 @@ pytestmark = [pytest.mark.cuda,
               pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs for NCCL")]
 
 DIM, FFN, E, K, T = 8, 12, 8, 2, 10
-KINDS = ["alltoall", "dedup", "allgather"]
+KINDS = ["alltoall", "dedup", "allgather", "hierarchical"]   # hierarchical: 2 nodes of 1 GPU
 # ep 2: experts 0-3 live on rank 0, 4-7 on rank 1
 SCENARIOS = ["random", "rank0_sends_nothing", "rank1_receives_nothing"]
 
@@ -44,7 +44,8 @@ def _round_trip(rank: int, port: int, dispatcher: str, scenario: str):
     torch.cuda.set_device(device)
     dist.init_process_group("nccl", device_id=device)
     try:
-        dims = ParallelDims.resolve(2, ep=2, num_experts=E)
+        dims = ParallelDims.resolve(2, ep=2, num_experts=E,
+                                    gpus_per_node=1 if dispatcher == "hierarchical" else 0)
         meshes = dims.build_meshes("cuda")
         moe = apply_ep(MoE(DIM, FFN, E, K).double().cuda(), dims, meshes, rank, dispatcher,
                        debug=True)

@@ -38,6 +38,10 @@ LAYOUTS = [
     (4, ["--parallel.dp=4", "--parallel.ep=2"]),     # two EP groups, edp=2
     (4, ["--parallel.ep=1"]),                        # pure data parallel
     (4, ["--parallel.ep=4", "--parallel.dispatcher=dedup"]),
+    # 2 "nodes" of 2 ranks: a token crosses once per node, fans out inside it.
+    (4, ["--parallel.ep=4", "--parallel.dispatcher=hierarchical", "--parallel.gpus_per_node=2"]),
+    (4, ["--parallel.ep=4", "--parallel.dispatcher=hierarchical", "--parallel.gpus_per_node=2",
+         "--parallel.zero=3", "--train.recompute=experts"]),
     (2, ["--parallel.ep=2", "--parallel.dispatcher=allgather"]),
     # ZeRO: dense state over dp, expert state over edp; small buckets so there are many shards.
     (2, ["--parallel.ep=2", "--parallel.zero=1", "--parallel.bucket_mb=0.002"]),

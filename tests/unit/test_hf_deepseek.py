@@ -1,6 +1,6 @@
 """Real DeepSeek-V3 checkpoints: YaRN rope scaling against transformers (tables, softmax scale,
 logits past the original context), FP8 block-quantized weights against a dequantization done here
-block by block, and the multi-token-prediction layer dropped with a note and nothing else."""
+block by block, and the multi-token-prediction layer kept (model.mtp_layers), dequantized too."""
 
 import json
 import math
@@ -121,16 +121,16 @@ def _reference_dequantize(q, scale, block, dtype):
 
 def _add_mtp_layer(tensors, num_layers):
     """DeepSeek-V3's MTP layer as it is stored: a copy of a decoder layer at index num_layers plus
-    its own embedding, norms, projection and head."""
+    its norms and projection, and copies of the main embedding and head."""
     mtp = {name.replace(f"layers.{num_layers - 1}.", f"layers.{num_layers}."): t.clone()
            for name, t in tensors.items() if name.startswith(f"model.layers.{num_layers - 1}.")}
     dim, vocab = tensors["model.norm.weight"].shape[0], tensors["model.embed_tokens.weight"].shape[0]
     pre = f"model.layers.{num_layers}."
-    mtp.update({pre + "embed_tokens.weight": torch.randn(vocab, dim),
+    mtp.update({pre + "embed_tokens.weight": tensors["model.embed_tokens.weight"].clone(),
                 pre + "enorm.weight": torch.ones(dim), pre + "hnorm.weight": torch.ones(dim),
                 pre + "eh_proj.weight": torch.randn(dim, 2 * dim),
                 pre + "shared_head.norm.weight": torch.ones(dim),
-                pre + "shared_head.head.weight": torch.randn(vocab, dim)})
+                pre + "shared_head.head.weight": tensors["lm_head.weight"].clone()})
     return mtp
 
 
@@ -178,14 +178,13 @@ def _published_v3(tmp_path, dtype):
              "weight_block_size": BLOCK}
     _write_folder(tmp_path / "fp8", dict(config, quantization_config=quant, num_nextn_predict_layers=1),
                   fp8, shards=3)
-    _write_folder(tmp_path / "plain", dict(config, num_nextn_predict_layers=0),
-                  {k: v for k, v in plain.items() if k not in mtp})
+    _write_folder(tmp_path / "plain", dict(config, num_nextn_predict_layers=1), plain)
     return tmp_path / "fp8", tmp_path / "plain", len([n for n in fp8 if ".layers.3." in n])
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 def test_fp8_checkpoint_dequantizes_to_the_block_by_block_reference(dtype, tmp_path):
-    fp8, plain, num_mtp_stored = _published_v3(tmp_path, dtype)
+    fp8, plain, _ = _published_v3(tmp_path, dtype)
     notes = []
     hf_to_moepar(str(fp8), str(tmp_path / "from_fp8"), dequantize_dtype=dtype, log=notes.append)
     hf_to_moepar(str(plain), str(tmp_path / "from_plain"), log=notes.append)
@@ -194,16 +193,13 @@ def test_fp8_checkpoint_dequantizes_to_the_block_by_block_reference(dtype, tmp_p
     for name, tensor in want.items():
         assert got[name].dtype == tensor.dtype and torch.equal(got[name], tensor), name
     assert got["layers.1.ffn.experts.3.w_in"].dtype == dtype
-    assert len(notes) == 1, notes       # the plain import has no MTP layer: no note
-    assert notes[0].startswith(f"note: dropped the multi-token-prediction layer(s) [3] "
-                               f"(num_nextn_predict_layers=1): {num_mtp_stored} tensors, e.g. ")
-    assert notes[0].endswith("; moepar trains next-token prediction only")
+    assert got["mtp.0.block.ffn.experts.3.w_in"].dtype == dtype      # the MTP layer is kept
+    assert notes == []
     state = json.loads((tmp_path / "from_fp8" / "state.json").read_text())
-    assert state["import_notes"] == [
-        f"dequantized FP8 weights to {str(dtype)[6:]}",
-        f"dropped {num_mtp_stored} multi-token-prediction tensors (layers [3])"]
+    assert state["import_notes"] == [f"dequantized FP8 weights to {str(dtype)[6:]}"]
+    assert state["config"]["model"]["mtp_layers"] == 1
     exported = json.loads((tmp_path / "from_fp8" / "hf_config.json").read_text())
-    assert "quantization_config" not in exported and exported["num_nextn_predict_layers"] == 0
+    assert "quantization_config" not in exported and exported["num_nextn_predict_layers"] == 1
 
 
 def test_fp8_checkpoint_logits_equal_transformers_on_the_dequantized_weights(tmp_path):
@@ -214,7 +210,7 @@ def test_fp8_checkpoint_logits_equal_transformers_on_the_dequantized_weights(tmp
     with torch.no_grad():
         torch.testing.assert_close(from_hf(str(fp8), log=notes.append)(ids), reference(ids).logits,
                                    rtol=1e-5, atol=1e-5)
-    assert len(notes) == 1 and "multi-token-prediction" in notes[0]
+    assert notes == []
 
 
 def test_dequantize_streams_one_weight_at_a_time():
@@ -283,5 +279,61 @@ def test_convert_cli_dequantizes_to_the_dtype_asked_and_prints_the_note(tmp_path
     assert main(["--from", "hf", str(fp8), "--to", "moepar", str(tmp_path / "out"),
                  "--dequantize-dtype", "float32"]) == 0
     out = capsys.readouterr().out
-    assert "note: dropped the multi-token-prediction layer(s) [3]" in out and "wrote " in out
-    assert _moepar_tensors(tmp_path / "out")["layers.0.attn.o_proj.weight"].dtype == torch.float32
+    assert "multi-token-prediction" not in out and "wrote " in out
+    out_tensors = _moepar_tensors(tmp_path / "out")
+    assert out_tensors["layers.0.attn.o_proj.weight"].dtype == torch.float32
+    assert out_tensors["mtp.0.eh_proj.weight"].dtype == torch.float32
+
+
+# ---- multi-token prediction -------------------------------------------------------------------
+
+def _v3_with_mtp(tmp_path, damage=None):
+    """A tiny DeepSeek-V3 with its MTP layer (layer 3, after 3 decoder layers), as published:
+    num_nextn_predict_layers=1, the copies of the embedding and head beside it; bfloat16."""
+    _, path = hf_model("deepseek_v3", tmp_path, **WIDE_ROPE)
+    config = json.loads(open(os.path.join(path, "config.json")).read())
+    assert config["num_hidden_layers"] == 3
+    tensors = load_file(os.path.join(path, "model.safetensors"))
+    tensors.update(_add_mtp_layer(tensors, 3))
+    gen = torch.Generator().manual_seed(7)
+    tensors = {k: (v + 0.1 * torch.randn(v.shape, generator=gen) if "norm" in k else v)
+               .to(torch.bfloat16) for k, v in tensors.items()}   # norms not all ones
+    tensors["model.layers.3.shared_head.head.weight"] = tensors["lm_head.weight"].clone()
+    tensors["model.layers.3.embed_tokens.weight"] = tensors["model.embed_tokens.weight"].clone()
+    if damage:
+        tensors[damage] = tensors[damage].clone()
+        tensors[damage][0, 0] += 1
+    config = dict(config, num_nextn_predict_layers=1, torch_dtype="bfloat16")
+    config.pop("num_mtp_layers", None)
+    _write_folder(tmp_path / "v3", config, tensors, shards=2)
+    return tmp_path / "v3", tensors
+
+
+def test_mtp_layer_round_trip_hf_moepar_hf_is_bit_for_bit(tmp_path):
+    src, tensors = _v3_with_mtp(tmp_path)
+    hf_to_moepar(str(src), str(tmp_path / "mp"), log=lambda _m: None)
+    got = _moepar_tensors(tmp_path / "mp")
+    assert torch.equal(got["mtp.0.eh_proj.weight"], tensors["model.layers.3.eh_proj.weight"])
+    assert torch.equal(got["mtp.0.norm.weight"], tensors["model.layers.3.shared_head.norm.weight"])
+    assert torch.equal(got["mtp.0.block.ffn.router.weight"],
+                       tensors["model.layers.3.mlp.gate.weight"])
+    assert not any("embed_tokens" in n or "shared_head" in n for n in got)   # shared, not copied
+    moepar_to_hf(str(tmp_path / "mp"), str(tmp_path / "back"), log=lambda _m: None)
+    back = {}
+    for file in os.listdir(tmp_path / "back"):
+        if file.endswith(".safetensors"):
+            back.update(load_file(tmp_path / "back" / file))
+    assert sorted(back) == sorted(tensors)
+    for name, tensor in tensors.items():
+        assert back[name].dtype == tensor.dtype and torch.equal(back[name], tensor), name
+    assert (json.loads((tmp_path / "back" / "config.json").read_text())
+            == json.loads((src / "config.json").read_text()))
+
+
+@pytest.mark.parametrize("copy", ["model.layers.3.embed_tokens.weight",
+                                  "model.layers.3.shared_head.head.weight"])
+def test_mtp_copy_of_a_shared_tensor_that_differs_is_refused(tmp_path, copy):
+    src, _ = _v3_with_mtp(tmp_path, damage=copy)
+    with pytest.raises(ConversionError, match=re.escape(f"{copy} differs from ")):
+        hf_to_moepar(str(src), str(tmp_path / "mp"), log=lambda _m: None)
+    assert not (tmp_path / "mp").exists()

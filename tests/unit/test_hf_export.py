@@ -4,7 +4,6 @@ through the commands its header documents; refusals name what the model has."""
 import json
 import pathlib
 import re
-import shlex
 import subprocess
 import sys
 
@@ -13,6 +12,7 @@ import torch
 
 transformers = pytest.importorskip("transformers")
 
+from configs import example_commands  # noqa: E402
 from moepar.config import load_config  # noqa: E402
 from moepar.hf import ARCHS, ConversionError, moepar_to_hf  # noqa: E402
 from moepar.hf.arch import arch_problems, hf_config_dict, matching_archs  # noqa: E402
@@ -35,16 +35,11 @@ def test_tiny_qwen3_example_exports_and_loads_in_transformers(tmp_path):
     from moepar.layers import Transformer
     from moepar.layers.router import RouterConfig
     example = ROOT / "examples" / "tiny_qwen3.toml"
-    commands = [shlex.split(line.lstrip("# ")) for line in example.read_text().splitlines()
-                if line.startswith("#   moepar ")]
-    assert [c[1] for c in commands] == ["train", "convert"]
     run = tmp_path / "run"
+    commands = example_commands(example, run, "tiny_qwen3", "step_200")
+    assert [c[0] for c in commands] == ["train", "convert"]
     for words in commands:
-        words = [w.replace("runs/tiny_qwen3", str(run)).replace("step_200", "step_3") for w in words]
-        if words[1] == "train":
-            words += ["--train.steps=3", "--train.warmup_steps=1", "--run.log_every=1",
-                      "--run.tensorboard=false", f"--run.dir={run}"]   # the config's runs/tiny_qwen3
-        moepar(*words[1:])
+        moepar(*words)
     checkpoint = run / "checkpoints" / "step_3"
     config = json.loads((checkpoint / "state.json").read_text())["config"]
     model = Transformer(ModelConfig(**config["model"]), RouterConfig(**config["router"]))
