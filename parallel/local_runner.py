@@ -57,12 +57,18 @@ class LocalRunner:
             packed = {} if documents is None else {
                 "documents": documents[n].to(device, non_blocking=True)}
             mtp = MTPMicro() if with_mtp else None
+            # The gradient backward sends into the main loss, which the loss may then form in
+            # forward (layers/loss.py); MTP depths' losses get none and scale in backward.
+            grad_scale = self.loss_scale / self.num_micro
+            main_scale = grad_scale * (1.0 if weights is None else weights[n])
             with self.autocast(), torch.no_grad() if forward_only else contextlib.nullcontext():
                 # The loss in place of the head: from the final hidden states and head weight
                 # (MTP depth k: against the targets k further on).
                 loss, moe_outputs = self.model(
                     inputs_BS, holder, mtp=mtp,
-                    head_fn=lambda h, w, k=0: self.loss_fn(h, w, targets_BS[:, k:]), **packed)
+                    head_fn=lambda h, w, k=0: self.loss_fn(
+                        h, w, targets_BS[:, k:], grad_scale=None if k else main_scale),
+                    **packed)
             if weights is not None:
                 loss = loss * weights[n]
             if forward_only:
@@ -81,7 +87,7 @@ class LocalRunner:
                 mtp_mean = sum(mtp.losses) / len(mtp.losses)
                 self.mtp_sum += mtp_mean.detach().to(torch.float64)
                 trained = loss + self.mtp_coeff * mtp_mean
-            (trained * self.loss_scale / self.num_micro).backward()
+            (trained * grad_scale).backward()
             if after_action is not None:
                 after_action(backward)
             loss_sum += loss.detach()

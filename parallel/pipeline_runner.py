@@ -334,13 +334,17 @@ class PipelineRunner:
                                               training) if c == last and c else None)
         with self.autocast():
             # The last chunk's loss replaces its head: from the final hidden states and the
-            # head weight, never the logits (parallel/loss.py).
-            head_fn = None
+            # head weight, never the logits (parallel/loss.py); given the gradient that backward
+            # sends into it, it may form its gradients in forward.
+            head_fn, grad_scale = None, self.loss_scale / self.num_micro
             if c == self.num_chunks - 1:
                 targets = state["targets"][n].to(self.device, non_blocking=True)
 
-                def head_fn(h, w, k=0):    # k: an MTP depth, k tokens further on
-                    return self.loss_fn(h, w, targets[:, k:])
+                weight = 1.0 if state["weights"] is None else state["weights"][n]
+
+                def head_fn(h, w, k=0):    # k: an MTP depth, k tokens further on (no scale)
+                    return self.loss_fn(h, w, targets[:, k:],
+                                        grad_scale=None if k else grad_scale * weight)
             packed = {} if state["documents"] is None else {
                 "documents": state["documents"][n].to(self.device, non_blocking=True)}
             out, moe_outputs = self.stage(x, holder, chunk=c // self.pp, head_fn=head_fn,
@@ -361,7 +365,7 @@ class PipelineRunner:
                 self.mtp_sum += mtp_mean.detach().to(torch.float64)
                 loss = loss + self.mtp_coeff * mtp_mean
             if training:
-                state["saved"][(c, n)] = (x, loss * self.loss_scale / self.num_micro,
+                state["saved"][(c, n)] = (x, loss * grad_scale,
                                           None if mtp is None or c == 0 else mtp.embeds_BSD)
             return None
         if training:

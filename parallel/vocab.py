@@ -19,7 +19,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from moepar.layers.loss import linear_cross_entropy_tokens
+from moepar.layers.loss import linear_cross_entropy_tokens, reduce_tokens
 
 from .comm import group_size, reduce_scatter_rows
 
@@ -118,25 +118,25 @@ def vocab_parallel_cross_entropy(logits_local, targets, group, vocab_size: int,
 
 
 def _combine_over(group):
-    """combine() for layers/loss.py over the vocabulary slices of `group`: each rank's [N] maxima,
-    sums of exponentials (relative to its own max) and target logits (zero where another rank
-    holds the target) -> the full vocabulary's logsumexp and target logit."""
-    def combine(max_N, sumexp_N, target_N):
-        global_N = _all_reduce(max_N.clone(), dist.ReduceOp.MAX, group)
+    """combine() for layers/loss.py over the vocabulary slices of `group`: each rank's [N]
+    logsumexp of its slice (-inf for a slice of padding only) and target logits (zero where
+    another rank holds the target) -> the full vocabulary's logsumexp and target logit."""
+    def combine(lse_N, target_N):
+        global_N = _all_reduce(lse_N.clone(), dist.ReduceOp.MAX, group)
         # One all-reduce for both sums: each token's target logit lives on exactly one rank.
-        sums_2N = torch.stack([sumexp_N * (max_N - global_N).exp(), target_N])
-        sums_2N = _all_reduce(sums_2N, dist.ReduceOp.SUM, group)
+        sums_2N = _all_reduce(torch.stack([(lse_N - global_N).exp(), target_N]),
+                              dist.ReduceOp.SUM, group)
         return global_N + sums_2N[0].log(), sums_2N[1]
     return combine
 
 
 def vocab_parallel_linear_cross_entropy(h, w_local, targets, group, vocab_size: int,
                                         reduction: str = "mean", chunk: int | None = None):
-    """F.cross_entropy(h @ W_full.T, targets) from this rank's head rows `w_local` [Vl, D] (rows
-    [tp_rank*Vl, (tp_rank+1)*Vl) of the padded vocabulary), chunked over tokens so no [N, Vl]
-    logits exist at once (layers/loss.py). h [..., D]: every position's final hidden state (the
-    same on every rank); targets [...]: global ids < vocab_size. Every tp rank returns the same
-    loss; backward gives each rank its rows' dW and its columns' share of dh (summed over tp by
+    """F.cross_entropy(h @ W_full.T, targets, ignore_index=-100) from this rank's head rows
+    `w_local` [Vl, D] (rows [tp_rank*Vl, (tp_rank+1)*Vl) of the padded vocabulary), chunked over
+    tokens so no [N, Vl] logits exist at once (layers/loss.py). h [..., D]: every position's
+    final hidden state (the same on every rank); targets [...]: global ids < vocab_size, or -100
+    (no loss, no gradient, not counted by the mean). Every tp rank returns the same loss; backward gives each rank its rows' dW and its columns' share of dh (summed over tp by
     the backward of the sequence gather that made h), with no communication.
     Forward: all-reduce (max, 1 float per token) and all-reduce (sum, 2 floats per token) over
     `group`, once per call; no host sync."""
@@ -150,6 +150,4 @@ def vocab_parallel_linear_cross_entropy(h, w_local, targets, group, vocab_size: 
     loss_N = linear_cross_entropy_tokens(h.reshape(-1, h.shape[-1]), w_local, targets.reshape(-1),
                                          vocab_start=vocab_start, vocab_size=vocab_size,
                                          combine=_combine_over(group), chunk=chunk)
-    if reduction == "mean":
-        return loss_N.mean()
-    return loss_N.sum() if reduction == "sum" else loss_N.view(targets.shape)
+    return reduce_tokens(loss_N, targets, reduction)

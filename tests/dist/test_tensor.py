@@ -124,24 +124,26 @@ def case_vocab(tp: int, vocab: int):
     # sequence gather does it in backward).
     h = torch.randn(B, S, 5, dtype=torch.float64, generator=gen, requires_grad=True)
     head = torch.randn(vocab, 5, dtype=torch.float64, generator=gen, requires_grad=True)
-    for reduction in ("mean", "sum", "none"):
-        for chunk in (3, None):
-            h.grad = head.grad = None
-            ref = F.cross_entropy(F.linear(h, head).flatten(0, 1), targets.flatten(),
-                                  reduction=reduction)
-            ref = ref.view(B, S) if reduction == "none" else ref
-            h_mine = h.detach().clone().requires_grad_()
-            w_mine = local_shard(head.detach(), spec, rank).requires_grad_()
-            loss = vocab_parallel_linear_cross_entropy(h_mine, w_mine, targets, group, vocab,
-                                                       reduction, chunk=chunk)
-            torch.testing.assert_close(loss, ref, **TOL)
-            weight = torch.rand(ref.shape, dtype=torch.float64, generator=gen)
-            (ref * weight).sum().backward()
-            (loss * weight).sum().backward()
-            dh = h_mine.grad.clone()
-            dist.all_reduce(dh, group=group)
-            torch.testing.assert_close(dh, h.grad, **TOL)
-            torch.testing.assert_close(w_mine.grad, local_shard(head.grad, spec, rank), **TOL)
+    # ...also with targets -100 (padding: no loss, no gradient, not counted by the mean)
+    ignored = targets.masked_fill(torch.rand(B, S, generator=gen) < 0.4, -100)
+    for reduction, chunk, tgt in [(r, c, t) for r in ("mean", "sum", "none") for c in (3, None)
+                                  for t in (targets, ignored)]:
+        h.grad = head.grad = None
+        ref = F.cross_entropy(F.linear(h, head).flatten(0, 1), tgt.flatten(),
+                              reduction=reduction)
+        ref = ref.view(B, S) if reduction == "none" else ref
+        h_mine = h.detach().clone().requires_grad_()
+        w_mine = local_shard(head.detach(), spec, rank).requires_grad_()
+        loss = vocab_parallel_linear_cross_entropy(h_mine, w_mine, tgt, group, vocab,
+                                                   reduction, chunk=chunk)
+        torch.testing.assert_close(loss, ref, **TOL)
+        weight = torch.rand(ref.shape, dtype=torch.float64, generator=gen)
+        (ref * weight).sum().backward()
+        (loss * weight).sum().backward()
+        dh = h_mine.grad.clone()
+        dist.all_reduce(dh, group=group)
+        torch.testing.assert_close(dh, h.grad, **TOL)
+        torch.testing.assert_close(w_mine.grad, local_shard(head.grad, spec, rank), **TOL)
 
 
 # ---- layers and whole models ------------------------------------------------------------------

@@ -40,12 +40,19 @@ def _run(tmp_path, name, *overrides):
 
 
 def _compare(eager, compiled, rel: float):
-    (_, ref, ref_params, _), (_, got, got_params, _) = eager, compiled
+    (trainer, ref, ref_params, _), (_, got, got_params, _) = eager, compiled
     for want, have in zip(ref, got, strict=True):
         for key in ("loss", "grad_norm", "aux_loss"):
             assert math.isclose(have[key], want[key], rel_tol=rel), (key, have[key], want[key])
+    # AdamW's step is lr * m / (sqrt(v) + eps): for an element whose gradient sits near eps (an
+    # expert that got almost no rows) a rounding-level change of the gradient moves the step by
+    # a fraction of lr (measured: 1.3e-6 at lr 3e-3, one element of 2048, once the loss formed its
+    # gradients in forward): the bound is rel of the tensor's largest value, or 1e-3 of the peak
+    # learning rate per step, whichever is larger.
+    lr_bound = 1e-3 * trainer.cfg.train.lr * len(ref)
     for want, have in zip(ref_params, got_params, strict=True):
-        torch.testing.assert_close(have, want, rtol=rel, atol=rel * want.abs().max().item())
+        torch.testing.assert_close(have, want, rtol=rel,
+                                   atol=max(rel * want.abs().max().item(), lr_bound))
 
 
 def _fresh():

@@ -5,8 +5,8 @@ sizes that do and do not divide the tokens, tied embeddings through the model; a
 for: under bf16 no float32 [tokens, vocab] tensor exists in its forward or backward, and its peak
 bytes are a fraction of the unfused loss's.
 
-No ignore_index: the loss has none (every target is a real token id; data, runners and
-evaluation never pad with -100).
+Targets -100 count for nothing, as F.cross_entropy's ignore_index=-100; a trainer's grad_scale
+(the gradient it will send back) gives the gradients formed in forward, checked in backward.
 """
 
 import gc
@@ -84,6 +84,40 @@ def test_bfloat16_is_as_close_to_float64_as_the_unfused_loss(chunk):
         assert err_f <= BF16_FACTOR * err_u + BF16_FLOOR, (name, err_f, err_u)
 
 
+@pytest.mark.parametrize("reduction", ["mean", "sum", "none"])
+def test_ignored_targets_as_cross_entropy_with_ignore_index(reduction):
+    """Targets -100 (padding): no loss and no gradient, and the mean divides by the tokens that
+    count, in float64 against F.cross_entropy(ignore_index=-100), with and without autograd."""
+    h, w, targets, weight = _problem(torch.float64, seed=5)
+    targets = targets.masked_fill(torch.arange(T) % 3 == 1, -100)      # 12 of 37 ignored
+
+    def reference(h, w, targets, reduction):
+        return F.cross_entropy(F.linear(h, w), targets, reduction=reduction, ignore_index=-100)
+    got = _grads(lambda *a: linear_cross_entropy(*a, chunk=7), h, w, targets, weight, reduction)
+    want = _grads(reference, h, w, targets, weight, reduction)
+    for name, a, b in zip(("loss", "dh", "dw"), got, want, strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-12, msg=name)
+    assert (got[1][targets == -100] == 0).all()
+    with torch.no_grad():
+        torch.testing.assert_close(linear_cross_entropy(h, w, targets, reduction, chunk=7),
+                                   want[0], rtol=1e-12, atol=1e-12)
+
+
+def test_grad_scale_forms_the_gradients_in_forward():
+    """With the gradient the trainer will send back (its loss scale / micro-batches), the
+    gradients are those of the scaled loss (float64); a non-finite incoming gradient still
+    reaches dh (the trainer then skips the step)."""
+    h, w, targets, weight = _problem(torch.float64, seed=6)
+    got = _grads(lambda h, w, t, r: linear_cross_entropy(h, w, t, r, chunk=7, grad_scale=0.3) * 0.3,
+                 h, w, targets, weight, "mean")
+    want = _grads(lambda h, w, t, r: _reference(h, w, t, r) * 0.3, h, w, targets, weight, "mean")
+    for name, a, b in zip(("loss", "dh", "dw"), got, want, strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-14, msg=name)
+    h = h.clone().requires_grad_()
+    (linear_cross_entropy(h, w, targets, grad_scale=0.3) * float("nan")).backward()
+    assert h.grad.isnan().all()
+
+
 def test_padding_columns_and_a_vocabulary_slice():
     """A slice of the head (rows [10, 30) of a vocabulary of 25, the last 5 padding), combined
     with the other slice by hand, gives the full loss: the vocab-parallel form's maths."""
@@ -94,9 +128,9 @@ def test_padding_columns_and_a_vocabulary_slice():
     parts = {}
 
     def keep(tag):
-        def combine(max_T, sumexp_T, target_T):
-            parts[tag] = (max_T.clone(), sumexp_T.clone(), target_T.clone())
-            return max_T + sumexp_T.log(), target_T
+        def combine(lse_T, target_T):
+            parts[tag] = (lse_T.clone(), target_T.clone())
+            return lse_T, target_T
         return combine
 
     padded = torch.cat([w[10:], torch.zeros(5, D, dtype=w.dtype)])
@@ -104,9 +138,9 @@ def test_padding_columns_and_a_vocabulary_slice():
                                 combine=keep(0), chunk=8)
     linear_cross_entropy_tokens(h, padded, targets, vocab_start=10, vocab_size=vocab,
                                 combine=keep(1), chunk=8)
-    (m0, s0, t0), (m1, s1, t1) = parts[0], parts[1]
-    m = torch.maximum(m0, m1)
-    loss = m + (s0 * (m0 - m).exp() + s1 * (m1 - m).exp()).log() - (t0 + t1)
+    (l0, t0), (l1, t1) = parts[0], parts[1]
+    m = torch.maximum(l0, l1)
+    loss = m + ((l0 - m).exp() + (l1 - m).exp()).log() - (t0 + t1)
     torch.testing.assert_close(loss, _reference(h, w, targets, "none"), rtol=1e-12, atol=1e-12)
 
 
@@ -153,8 +187,9 @@ class _Outputs(TorchDispatchMode):
 
 @pytest.mark.parametrize("tie", [False, True])
 def test_bf16_step_makes_no_float32_tensor_of_all_the_logits(monkeypatch, tie):
-    """A bf16 training micro-batch (the runner's forward, loss and backward) creates float32
-    logits only chunk by chunk: nothing float32 with a row per token and a column per id."""
+    """A bf16 training micro-batch (the runner's forward, loss and backward) forms the logits
+    chunk by chunk in bf16 (softmax computes in float32 inside its kernel): nothing float32 with
+    a column per id exists at all, and nothing with more rows than a chunk."""
     chunk = 7
     monkeypatch.setattr(fused, "CHUNK_LOGITS", chunk * V)
     model = _tiny(tie, torch.bfloat16)
@@ -164,8 +199,10 @@ def test_bf16_step_makes_no_float32_tensor_of_all_the_logits(monkeypatch, tie):
     with _Outputs() as rec:
         runner.run([tokens], [targets])
     wide = [shape for dtype, shape in rec.seen if dtype == torch.float32 and shape[-1:] == (V,)]
-    assert (chunk, V) in wide and (24 - 3 * chunk, V) in wide   # the chunks, also the last one
-    assert all(len(s) == 2 and s[0] <= chunk for s in wide), sorted(set(wide))
+    narrow = [shape for dtype, shape in rec.seen if dtype == torch.bfloat16 and shape[-1:] == (V,)]
+    assert (chunk, V) in narrow and (24 - 3 * chunk, V) in narrow   # the chunks, also the last
+    # (D, V): the head weight's transposed view inside F.linear
+    assert wide == [] and all(s[0] <= chunk or s == (D, V) for s in narrow), sorted(set(narrow))
     assert model.head_weight.grad is None or model.head_weight.grad.dtype == torch.bfloat16
 
 
