@@ -220,13 +220,17 @@ def _context_class(cls: type) -> type:
 
 
 def context_parallel_loss(loss_fn, cp: int, cp_rank: int):
-    """loss(h, head weight, whole targets [B, S]) of this rank's chunks: the mean over its
-    positions / cp, its share of the micro-batch's mean (summed over cp by the gradient sync)."""
+    """loss(h, head weight, whole targets [B, S], grad_scale=None) of this rank's chunks: the mean
+    over its positions / cp, its share of the micro-batch's mean (summed over cp by the gradient
+    sync)."""
     if cp == 1:
         return loss_fn
 
-    def loss(h_BsD, w_VD, targets_BS):
-        return loss_fn(h_BsD, w_VD, take_local(targets_BS, cp, cp_rank)) / cp
+    def loss(h_BsD, w_VD, targets_BS, grad_scale=None):
+        # The runner backpropagates grad_scale into this value, so grad_scale / cp into the
+        # inner loss, which forms its head gradients in forward from the scale it is told.
+        inner = None if grad_scale is None else grad_scale / cp
+        return loss_fn(h_BsD, w_VD, take_local(targets_BS, cp, cp_rank), grad_scale=inner) / cp
     return loss
 
 
