@@ -52,32 +52,42 @@ def _attention(cfg, tp: int) -> list[tuple[tuple, bool]]:
     return out
 
 
+def _layer(cfg, i: int, tp: int) -> list[tuple[tuple, str]]:
+    """[(local shape, kind)] of block i (a main layer, or an MTP depth's block) on a tp rank."""
+    D = cfg.dim
+    width = 2 if cfg.activation == "swiglu" else 1
+    # in registration order (gradient buckets follow it): norm, attention, norm, FFN
+    shapes = [((D,), "dense")]
+    shapes += [(s, "dense") for s, _ in _attention(cfg, tp)]
+    shapes += [((D,), "dense")]
+    if cfg.is_moe_layer(i):
+        E, Fe = cfg.num_experts, cfg.moe_ffn_dim
+        shapes += [((E, D), "router"), ((E, D, width * Fe), "expert"), ((E, Fe, D), "expert")]
+        if cfg.num_shared_experts:
+            Fs = cfg.num_shared_experts * (cfg.shared_ffn_dim or Fe)
+            shapes += [((width * Fs, D), "dense"), ((D, Fs), "dense")]
+            if cfg.shared_gate:
+                shapes += [((1, D), "dense")]
+    else:
+        F = cfg.ffn_dim
+        shapes += [((width * F // tp, D), "dense"), ((D, F // tp), "dense")]
+    return shapes
+
+
 def tensor_shapes(cfg, router=None, tp: int = 1) -> dict:
     """{'root' | layer index: [(local shape, kind)]} on a tp rank; kind 'dense', 'router' (dense,
     and float32 whatever the compute dtype) or 'expert' (expert shapes are whole stacks
-    [E, ...]; EP divides them)."""
+    [E, ...]; EP divides them). The MTP depths (model.mtp_layers: enorm, hnorm, eh_proj, a
+    block, a norm; layers/mtp.py) are with the final norm and head in 'last', where they live."""
     D = cfg.dim
     vocab = -(-cfg.vocab_size // tp)
     out = {"first": [((vocab, D), "dense")],
            "last": [((D,), "dense")] + ([] if cfg.tie_embeddings else [((vocab, D), "dense")])}
-    width = 2 if cfg.activation == "swiglu" else 1
+    for i in getattr(cfg, "mtp_layer_ids", []):
+        out["last"] += [((D,), "dense"), ((D,), "dense"), ((D, 2 * D), "dense")]
+        out["last"] += _layer(cfg, i, tp) + [((D,), "dense")]
     for i in range(cfg.num_layers):
-        # in registration order (gradient buckets follow it): norm, attention, norm, FFN
-        shapes = [((D,), "dense")]
-        shapes += [(s, "dense") for s, _ in _attention(cfg, tp)]
-        shapes += [((D,), "dense")]
-        if cfg.is_moe_layer(i):
-            E, Fe = cfg.num_experts, cfg.moe_ffn_dim
-            shapes += [((E, D), "router"), ((E, D, width * Fe), "expert"), ((E, Fe, D), "expert")]
-            if cfg.num_shared_experts:
-                Fs = cfg.num_shared_experts * (cfg.shared_ffn_dim or Fe)
-                shapes += [((width * Fs, D), "dense"), ((D, Fs), "dense")]
-                if cfg.shared_gate:
-                    shapes += [((1, D), "dense")]
-        else:
-            F = cfg.ffn_dim
-            shapes += [((width * F // tp, D), "dense"), ((D, F // tp), "dense")]
-        out[i] = shapes
+        out[i] = _layer(cfg, i, tp)
     return out
 
 

@@ -28,14 +28,15 @@ def train(monkeypatch, tmp_path, capsys):
     return run
 
 
-def test_tiny_counts_equal_the_real_model_and_nothing_is_written(train, tmp_path):
+@pytest.mark.parametrize("example", ["tiny.toml", "tiny_dsv3.toml"])   # the latter: MTP, MLA
+def test_tiny_counts_equal_the_real_model_and_nothing_is_written(train, tmp_path, example):
     import torch
 
     from moepar.layers import Transformer
-    code, out, err = train(EX / "tiny.toml", "--run.dir=runs/dry")
+    code, out, err = train(EX / example, "--run.dir=runs/dry")
     assert code == 0, err
     assert list(tmp_path.iterdir()) == []          # no run.dir, no lock file, nothing
-    cfg = load_config(str(EX / "tiny.toml"))
+    cfg = load_config(str(EX / example))
     model = Transformer(cfg.model, cfg.router, seed=0)
     sizes = {n: p.numel() for n, p in model.named_parameters()}
     expert = sum(n for name, n in sizes.items() if ".experts." in name)
@@ -75,14 +76,17 @@ def test_per_stage_counts_equal_the_real_model_split_by_hand():
     assert [k["pp"] for k in kinds] == [[0], [1]]
 
 
-@pytest.mark.parametrize("layout", [["--parallel.pp=2", "--parallel.ep=2"],
-                                    ["--parallel.ep=4", "--parallel.zero=3"],
-                                    ["--parallel.tp=2", "--parallel.ep=2"]])
-def test_bytes_per_rank_equal_the_meta_device_simulation(layout):
+@pytest.mark.parametrize("example, layout", [
+    ("tiny.toml", ["--parallel.pp=2", "--parallel.ep=2"]),
+    ("tiny.toml", ["--parallel.ep=4", "--parallel.zero=3"]),
+    ("tiny.toml", ["--parallel.tp=2", "--parallel.ep=2"]),
+    ("tiny_dsv3.toml", ["--parallel.pp=2", "--parallel.ep=2", "--train.optimizer=adamw"])])
+def test_bytes_per_rank_equal_the_meta_device_simulation(example, layout):
     """The trainer's own build path (meta device, fake world of 4, parallelize) counts each
-    rank's bytes; the dry run's arithmetic must give the same numbers."""
+    rank's bytes; the dry run's arithmetic must give the same numbers (tiny_dsv3: its MTP
+    depth on the last stage)."""
     from moepar.bench.simulate import simulate
-    cfg = load_config(str(EX / "tiny.toml"), layout)
+    cfg = load_config(str(EX / example), layout)
     by_rank = {r: k["memory"] for k in dry_run(cfg, 4)["kinds"] for r in k["ranks"]}
     sim = simulate(cfg, 4, ranks=[0, 1, 2, 3])
     for r in sim["ranks"]:
