@@ -266,7 +266,6 @@ class TopKRouter(RouterBase):
         weight_N = weights_TK.flatten()
         valid_N = None if valid_T is None else valid_T.repeat_interleave(self.top_k)
         if cfg.capacity_factor is not None:
-            # (the tp router's _keep takes no padding: data.pad is refused with tp > 1)
             packed = () if valid_N is None else (valid_N,)
             keep_N = self._keep(expert_N, weight_N.detach(), seq_len, *packed)
             expert_N = torch.where(keep_N, expert_N, self.num_experts)

@@ -12,13 +12,21 @@ token, T = B*s tokens of this slice.
 | losses                     | one all-reduce of their sums            | none (identity: each slice |
 |                            |                                         | gets its tokens' share)    |
 
+Packed documents (layers/documents.py): the model hands every router the whole micro-batch's
+`valid_T` and `doc_T` ([B*S], as attention needs the whole mask); the router takes its slice's.
+Padding is gathered with the capacity pairs (it ranks after every real copy and is kept by no
+expert), and the losses are sums over real tokens. The sequence balance loss is per document,
+and a document may span slices, so its sums (copies and probabilities per expert, its length)
+are totalled over the group in the same all-reduce, at [B*S, E] (documents numbered over the
+whole micro-batch): about 2E/D of a hidden-state gather's elements per MoE layer.
+
 `apply_tp` swaps a `TopKRouter`'s class for `SequenceParallelRouter` (`use_token_group`), so the
 choice is made once, at build time; forward never asks whether a group is set.
 """
 
 import torch
 
-from moepar.layers.balance import BalanceParts, expert_counts
+from moepar.layers.balance import BalanceParts, document_loss, document_sums, expert_counts
 from moepar.layers.router import TopKRouter, capacity
 
 __all__ = ["SequenceParallelRouter", "use_token_group"]
@@ -31,17 +39,28 @@ class SequenceParallelRouter(TopKRouter):
 
     token_group = None
 
-    def _keep(self, expert_N, weight_N, seq_len: int):
-        """Drops decided on the whole micro-batch: every slice's (expert, weight) pairs are
+    def forward(self, x_TD, seq_len: int | None = None, valid_T=None, doc_T=None, **kwargs):
+        """TopKRouter.forward on this slice's B*s tokens; `valid_T` and `doc_T` (packed
+        documents) are the whole micro-batch's [B*S], of which this slice's are taken."""
+        if valid_T is not None:
+            batch = valid_T.numel() // (seq_len * self.token_group.size)
+            valid_T, doc_T = (self.token_group.local(t.view(batch, -1)).reshape(-1)
+                              for t in (valid_T, doc_T))
+        return super().forward(x_TD, seq_len, valid_T, doc_T, **kwargs)
+
+    def _keep(self, expert_N, weight_N, seq_len: int, valid_N=None):
+        """Drops decided on the whole micro-batch: every slice's (expert, weight[, real]) rows are
         gathered into the canonical [B, S, K] order, ranked as one group, and this slice's
         verdicts kept."""
         group, k = self.token_group, self.top_k
         cap = capacity(expert_N.numel() // k * group.size, k, self.cfg.capacity_factor,
                        self.num_experts)
         batch = expert_N.numel() // (seq_len * k)
-        pairs = torch.stack([expert_N.to(torch.float64), weight_N.to(torch.float64)], -1)
-        full = group.gather(pairs.view(batch, seq_len, -1)).reshape(-1, 2)
-        keep = self._within_capacity(full[:, 0].long(), full[:, 1].to(weight_N.dtype), cap)
+        cols = [expert_N, weight_N] + ([] if valid_N is None else [valid_N])
+        rows = torch.stack([c.to(torch.float64) for c in cols], -1)
+        full = group.gather(rows.view(batch, seq_len, -1)).reshape(-1, len(cols))
+        keep = self._within_capacity(full[:, 0].long(), full[:, 1].to(weight_N.dtype), cap,
+                                     None if valid_N is None else full[:, 2].bool())
         return group.local(keep.view(batch, -1, k)).reshape(-1)
 
     def _loss_values(self, probs_TE, experts_TK, logits_TE, counts_E, seq_len: int):
@@ -66,6 +85,27 @@ class SequenceParallelRouter(TopKRouter):
         deferred = BalanceParts(total[0].detach().to(torch.float64), total[1], n) \
             if self.deferred_balance else None
         return balance, seq_balance, total[4][0] / n, deferred
+
+    def _packed_loss_values(self, probs_TE, experts_TK, logits_TE, counts_E, valid_T, doc_T):
+        """_loss_values of packed documents over the whole micro-batch: real tokens only, the
+        sequence loss per document from its sums totalled over the slices (one all-reduce)."""
+        group = self.token_group
+        num_tokens, num_experts = probs_TE.shape
+        k, weight_T = self.top_k, valid_T.to(probs_TE.dtype)
+        counts_DE, prob_sum_DE, len_D = document_sums(probs_TE, experts_TK, doc_T, weight_T,
+                                                      num_tokens * group.size)
+        z_T = torch.logsumexp(logits_TE, dim=-1).square()
+        parts = [counts_E.to(probs_TE.dtype), (probs_TE * weight_T[:, None]).sum(0),
+                 counts_DE.flatten(), prob_sum_DE.flatten(), len_D,
+                 torch.stack([(z_T * weight_T).sum().to(probs_TE.dtype), weight_T.sum()])]
+        total = group.total(torch.cat(parts)).split([p.numel() for p in parts])
+        real = total[5][1].clamp_min(1)
+        balance = num_experts * torch.sum(total[0] / (real * k) * (total[1] / real))
+        seq_balance = document_loss(total[2].view(-1, num_experts), total[3].view(-1, num_experts),
+                                    total[4], k)
+        deferred = BalanceParts(total[0].detach().to(torch.float64), total[1],
+                                total[5][1].detach()) if self.deferred_balance else None
+        return balance, seq_balance, total[5][0] / real, deferred
 
 
 def use_token_group(router: TopKRouter, token_group) -> TopKRouter:
