@@ -1,9 +1,9 @@
 """Packed documents with padding (data.pack='documents', data.pad=true) in dp2 ep2, pp2, tp2 and
 tp2 ep2 layouts equal the single-process run in float64: losses (the mean over the global batch's
-counted tokens, whatever rank holds them), grad norms, aux losses, drops and the updated
-parameters. Under tp, each part of the documents left out of the tp path (the mask in the
-sequence-parallel attention, the padding or the documents in the sequence-parallel router) makes
-the run differ from one process."""
+counted tokens, whatever rank holds them), grad norms, aux losses, drops, validation losses and
+the updated parameters. Under tp, each part of the documents left out of the tp path (the mask
+in the sequence-parallel attention, the padding or the documents in the sequence-parallel
+router) makes the run differ from one process."""
 
 import math
 
@@ -23,11 +23,13 @@ COMMON = ["--train.dtype=float64", f"--train.steps={STEPS}", "--train.global_bat
           "--train.micro_batch_size=2", "--router.capacity_factor=1.0",
           "--router.bias_update_rate=0.001", "--router.z_coeff=0.001",
           "--router.seq_balance_coeff=0.01", "--run.checkpoint_every=0", "--data.source=tokens",
-          "--data.pack=documents", "--data.pad=true"]
+          "--data.pack=documents", "--data.pad=true", "--train.eval_every=1",
+          "--train.eval_batches=1"]
 
 
 def _records(trainer):
-    return [(r["loss"], r["grad_norm"], r["aux_loss"], r["drop_fraction"]) for r in trainer.run()]
+    return [(r["loss"], r["grad_norm"], r["aux_loss"], r["drop_fraction"], r["val_loss"])
+            for r in trainer.run()]
 
 
 def case_train(run_dir: str, data: str, layout: list[str]):
@@ -73,7 +75,8 @@ def case_train_mutant(run_dir: str, data: str, mutant: str):
 @pytest.fixture(scope="module")
 def data(tmp_path_factory):
     # Documents of 9 to 45 bytes in windows of 32: padding, cut documents and several per row.
-    return packed_folder(tmp_path_factory.mktemp("packed_docs"), 80)
+    # A fifth of the documents held out: validation (eval_every=1) follows the same rules.
+    return packed_folder(tmp_path_factory.mktemp("packed_docs"), 100, val_fraction=0.2)
 
 
 @pytest.fixture(scope="module")
