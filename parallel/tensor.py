@@ -17,6 +17,8 @@ the way in and reduce-scatter it on the way out:
 | loss (vocab.py)           | 2 all-reduces (per call)       | none                           |
 | MoE router (sequence_     | 1 all-reduce of loss sums; with| none                           |
 |   router.py)              | capacity, 1 all-gather of picks|                                |
+|                           | (packed documents: the same    |                                |
+|                           | calls, with documents' sums)   |                                |
 | after backward            | reduce_sequence_parallel_grads: 1 all-reduce (partial grads)    |
 
 | parameter                                     | on each tp rank                     | TPShard        |

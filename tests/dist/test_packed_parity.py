@@ -110,6 +110,8 @@ GLOBAL_BALANCE = ("--router.balance_loss=all_layers", "--router.balance_scope=gl
     pytest.param(["--parallel.tp=2"], (), id="tp2"),
     pytest.param(["--parallel.tp=2", "--parallel.ep=2"], (), id="tp2-ep2"),
     pytest.param(["--parallel.tp=2"], MLA, id="tp2-mla"),
+    # attention recompute passes the mask positionally into the sequence-parallel attention
+    pytest.param(["--parallel.tp=2", "--train.recompute=attention"], (), id="tp2-recompute"),
     pytest.param(["--parallel.tp=2", "--parallel.ep=2"], GLOBAL_BALANCE, id="tp2-ep2-global")])
 def test_packed_layout_equals_one_process(worlds, tmp_path, data, references, layout, variant):
     ref, want = references(variant)
