@@ -39,7 +39,7 @@ import torch
 
 __all__ = ["BALANCE_LOSSES", "BALANCE_SCOPES", "expert_counts", "switch_balance_loss",
            "sequence_balance_loss", "document_balance_loss", "document_sums", "document_loss",
-           "z_loss", "BalanceParts", "BalanceSlot", "MicroBalance", "BalanceStep"]
+           "document_loss_sum", "z_loss", "BalanceParts", "BalanceSlot", "MicroBalance", "BalanceStep"]
 
 BALANCE_LOSSES = ("per_layer", "all_layers")
 BALANCE_SCOPES = ("micro_batch", "global")
@@ -110,9 +110,16 @@ def document_sums(probs_TE, experts_TK, doc_T, weight_T, num_docs: int):
 
 def document_loss(counts_DE, prob_sum_DE, len_D, top_k: int):
     """The mean over documents of length > 0 of E * sum_e f_de * P_de, from document_sums."""
+    loss_sum, num_docs = document_loss_sum(counts_DE, prob_sum_DE, len_D, top_k)
+    return loss_sum / num_docs.clamp_min(1)
+
+
+def document_loss_sum(counts_DE, prob_sum_DE, len_D, top_k: int):
+    """(the sum over documents of E * sum_e f_de * P_de, how many have length > 0), from
+    document_sums: sums of disjoint sets of documents add up."""
     num_experts = counts_DE.shape[1]
     loss_D = num_experts * (counts_DE * prob_sum_DE).sum(1) / (top_k * len_D.square().clamp_min(1))
-    return loss_D.sum() / (len_D > 0).sum().clamp_min(1)
+    return loss_D.sum(), (len_D > 0).sum().to(loss_D.dtype)
 
 
 def z_loss(logits_TE, valid_T=None):

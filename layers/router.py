@@ -327,7 +327,7 @@ class TopKRouter(RouterBase):
         counts_E = expert_counts(experts_TK, self.num_experts, valid_T=valid_T)
         if valid_T is not None:
             balance, seq_balance, z, parts = self._packed_loss_values(
-                probs_TE, experts_TK, logits_TE, counts_E, valid_T, doc_T)
+                probs_TE, experts_TK, logits_TE, counts_E, seq_len, valid_T, doc_T)
             dropped = ((expert_N == self.num_experts) & valid_T.repeat_interleave(self.top_k))
             assignments = valid_T.sum() * self.top_k
         else:
@@ -361,7 +361,8 @@ class TopKRouter(RouterBase):
             if self.deferred_balance else None
         return balance, seq_balance, z, parts
 
-    def _packed_loss_values(self, probs_TE, experts_TK, logits_TE, counts_E, valid_T, doc_T):
+    def _packed_loss_values(self, probs_TE, experts_TK, logits_TE, counts_E, seq_len: int,
+                            valid_T, doc_T):
         """_loss_values of packed documents: over real tokens, the sequence loss per document."""
         cfg = self.cfg
         balance = _logged_unless(self.call_balance_coeff, switch_balance_loss, probs_TE,
