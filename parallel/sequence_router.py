@@ -14,11 +14,12 @@ token, T = B*s tokens of this slice.
 
 Packed documents (layers/documents.py): the model hands every router the whole micro-batch's
 `valid_T` and `doc_T` ([B*S], as attention needs the whole mask); the router takes its slice's.
-Padding is gathered with the capacity pairs, as weight -1 (it ranks after every real copy and is
-kept by no expert), and the losses are sums over real tokens. The sequence balance loss is per document:
-a document inside the slice is finished here (its loss summed, counted), and only the documents
-cut by slice edges (at most B*(tp-1): one per edge) send their sums (copies and probabilities
-per expert, length) in the same all-reduce, [B*(tp-1), 2E+1] more elements.
+Padding is gathered with the capacity pairs, as weight -1 (it ranks after every real copy and
+is kept by no expert), and the losses are sums over real tokens. The sequence balance loss is
+per document: a document inside the slice is finished here (its loss summed, counted), and
+only the documents cut by slice edges (at most B*(tp-1): one per edge and row) send their sums
+(copies and probabilities per expert, length) in the same all-reduce: B*(tp-1)*(2E+1) + 2 more
+elements.
 
 `apply_tp` swaps a `TopKRouter`'s class for `SequenceParallelRouter` (`use_token_group`), so the
 choice is made once, at build time; forward never asks whether a group is set.
