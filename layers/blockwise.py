@@ -60,6 +60,17 @@ class _CausalTiled(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, q_BHTd, k_BGLd, v_BGLe, start: int, scale: float, tile: int):
+        # Autocast would run the tiles' matmuls in bf16, under the float32 this computes in.
+        with torch.autocast(q_BHTd.device.type, enabled=False):
+            return _CausalTiled._forward(ctx, q_BHTd, k_BGLd, v_BGLe, start, scale, tile)
+
+    @staticmethod
+    def backward(ctx, dout_BHTe):
+        with torch.autocast(dout_BHTe.device.type, enabled=False):
+            return _CausalTiled._backward(ctx, dout_BHTe)
+
+    @staticmethod
+    def _forward(ctx, q_BHTd, k_BGLd, v_BGLe, start: int, scale: float, tile: int):
         B, H, T, _ = q_BHTd.shape
         G, e = k_BGLd.shape[1], v_BGLe.shape[-1]
         dtype = _compute_dtype(q_BHTd.dtype)
@@ -92,7 +103,7 @@ class _CausalTiled(torch.autograd.Function):
         return out_BHTe
 
     @staticmethod
-    def backward(ctx, dout_BHTe):
+    def _backward(ctx, dout_BHTe):
         q_BHTd, k_BGLd, v_BGLe, out_BHTe, lse_BGrT = ctx.saved_tensors
         start, scale, tile = ctx.start, ctx.scale, ctx.tile
         G, r = k_BGLd.shape[1], q_BHTd.shape[1] // k_BGLd.shape[1]

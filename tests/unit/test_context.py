@@ -82,6 +82,10 @@ def test_chunk_attention_in_lower_precision_is_close_to_sdpa(dtype):
     assert got.dtype == dtype
     tol = 1e-5 if dtype == torch.float32 else 2e-2
     torch.testing.assert_close(got.double(), want, rtol=tol, atol=tol)
+    if dtype == torch.bfloat16:      # autocast does not move the float32 inside down to bf16
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            autocast = ContextParallel(None, 2, 0).attention(q_BHSd[:, :, mine], k_BGSd, v_BGSd)
+        assert torch.equal(autocast, got)
 
 
 def test_chunk_attention_saves_nothing_quadratic():
