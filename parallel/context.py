@@ -15,7 +15,8 @@ takes whole token ids on every cp rank (as tp does), keeps its two chunks and th
 | MLA kv latent and key RoPE   | all-gather along S (C+R per token:  | reduce-scatter along S (sum)  |
 |   part                       | 576 for DeepSeek-V3, not 40960)     |                               |
 | attention                    | local: each chunk's queries over    | local                         |
-|                              | the keys before it (SDPA, a mask)   |                               |
+|                              | the keys before it (mask-free,      |                               |
+|                              | tiled: layers/blockwise.py)         |                               |
 | MoE router (sequence_router) | capacity: all-gather of picks over  | none                          |
 |                              | cp_tp; losses: one all-reduce       |                               |
 | dense gradients              | summed over dp_cp, / dp (ddp.py, zero.py)                           |
@@ -34,9 +35,7 @@ before; the reported loss and statistics are summed over dp_cp.
 
 import torch
 
-import torch.nn.functional as F
-
-from moepar.layers.cache import causal_mask_TL
+from moepar.layers.blockwise import causal_tiled_attention
 from moepar.layers.model import Transformer
 
 from .comm import all_gather_rows, group_size
@@ -98,7 +97,6 @@ class ContextParallel:
         # Gathered chunk k (rank k // 2, its first or second) -> canonical chunk index.
         held = [j for r in range(cp) for j in chunk_ids(cp, r)]
         self.gathered_of = [held.index(j) for j in range(2 * cp)]
-        self._masks = {}
 
     def gather(self, seq_dims, *tensors):
         """The whole sequence of each tensor along its seq dim (an int for all, or one each), in
@@ -117,33 +115,21 @@ class ContextParallel:
             out.append(part.reshape((self.cp * local,) + r.shape[1:]).movedim(0, d))
         return out
 
-    def _mask(self, j: int, c: int, like: torch.Tensor):
-        """Chunk j's additive causal mask [c, (j+1)c] (0 or -inf, in the queries' dtype), made
-        once and shared by every layer: SDPA's CPU kernel keeps the mask it is given for backward
-        (a boolean one it first converts, per call), so one shared tensor is the least it holds."""
-        key = (j, c, like.dtype, like.device)
-        if key not in self._masks:
-            visible_TL = causal_mask_TL(j * c, c, like.device)
-            self._masks[key] = None if visible_TL is None else torch.zeros(
-                visible_TL.shape, dtype=like.dtype, device=like.device).masked_fill_(
-                ~visible_TL, float("-inf"))
-        return self._masks[key]
-
     def attention(self, q_BHSd, k_BGSd, v_BGSd, scale: float | None = None, mask_B1SL=None):
         """Each local chunk's queries over the keys up to its end (chunk j: (j+1)*c keys, causal
-        within its own block): exact, and the same work on every rank. Document masks are not
-        split over cp (the config refuses data.pack with parallel.cp > 1)."""
+        within its own block): exact, and the same work on every rank. Mask-free and tiled
+        (layers/blockwise.py): the prefix before the chunk and its diagonal block merged by
+        log-sum-exp, only the output and its log-sum-exp saved for backward. Document masks are
+        not split over cp (the config refuses data.pack with parallel.cp > 1)."""
         if mask_B1SL is not None:
             raise ValueError("packed documents (data.pack) with parallel.cp > 1 are not supported")
         c = q_BHSd.shape[2] // 2
-        gqa = k_BGSd.shape[1] != q_BHSd.shape[1]
         outs = []
         for half, j in enumerate(chunk_ids(self.cp, self.cp_rank)):
             keys = (j + 1) * c
-            mask_TL = self._mask(j, c, q_BHSd)
-            outs.append(F.scaled_dot_product_attention(
+            outs.append(causal_tiled_attention(
                 q_BHSd.narrow(2, half * c, c), k_BGSd.narrow(2, 0, keys),
-                v_BGSd.narrow(2, 0, keys), attn_mask=mask_TL, scale=scale, enable_gqa=gqa))
+                v_BGSd.narrow(2, 0, keys), j * c, scale))
         return torch.cat(outs, dim=2)
 
 

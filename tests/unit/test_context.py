@@ -6,6 +6,7 @@ import torch
 import torch.nn.functional as F
 
 from configs import tiny_config
+from moepar.layers import blockwise
 from moepar.parallel.context import ContextParallel, local_positions, take_local
 from moepar.parallel.dims import Coords, ParallelDims
 
@@ -21,24 +22,92 @@ def test_each_rank_holds_a_head_and_a_tail_chunk():
     assert sorted(held.tolist()) == list(range(24))
 
 
+def _rank_attention_and_grads(attend, q_BHSd, k_BGSd, v_BGSe, mine, grad_BHse):
+    """attend(q rows of `mine`, whole k, v) and the gradients of <out, grad> in q, k, v."""
+    q, k, v = (t.detach().requires_grad_() for t in (q_BHSd, k_BGSd, v_BGSe))
+    out = attend(q[:, :, mine], k, v)
+    return (out, *torch.autograd.grad(out, (q, k, v), grad_BHse))
+
+
 @pytest.mark.parametrize("cp", [2, 4])
-def test_chunk_attention_equals_causal_attention_rows(cp):
+@pytest.mark.parametrize("heads, kv_heads, qk_dim, v_dim", [
+    (4, 2, 8, 8),      # GQA: 4 query heads read 2 key/value heads
+    (4, 4, 12, 8),     # MLA: every head its own keys, the value head dim below the query's
+], ids=["gqa", "mla"])
+def test_chunk_attention_equals_causal_attention_rows(monkeypatch, cp, heads, kv_heads, qk_dim,
+                                                      v_dim):
     """Each rank's queries over the whole keys give the rows of one causal SDPA over the whole
-    sequence (GQA: 4 query heads read 2 key/value heads), and every rank attends over the same
-    number of (query, key) pairs."""
+    sequence, forward and backward (the ranks' gradients of k and v sum to the whole one's, as
+    the gather's reduce-scatter sums them), with tiles smaller than a chunk so the prefix, the
+    diagonal and ragged tiles all occur; every rank attends over the same number of pairs."""
+    monkeypatch.setattr(blockwise, "TILE", 3)
     torch.manual_seed(0)
-    seq = 8 * cp
-    q_BHSd = torch.randn(2, 4, seq, 8, dtype=torch.float64)
-    k_BGSd = torch.randn(2, 2, seq, 8, dtype=torch.float64)
-    v_BGSd = torch.randn(2, 2, seq, 8, dtype=torch.float64)
-    want = F.scaled_dot_product_attention(q_BHSd, k_BGSd, v_BGSd, is_causal=True, enable_gqa=True)
+    seq = 10 * cp
+    q_BHSd = torch.randn(2, heads, seq, qk_dim, dtype=torch.float64)
+    k_BGSd = torch.randn(2, kv_heads, seq, qk_dim, dtype=torch.float64)
+    v_BGSe = torch.randn(2, kv_heads, seq, v_dim, dtype=torch.float64)
+    grad_BHSe = torch.randn(2, heads, seq, v_dim, dtype=torch.float64)
+    scale = 0.3
+    everything = torch.arange(seq)
+    want, *want_grads = _rank_attention_and_grads(
+        lambda q, k, v: F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale,
+                                                       enable_gqa=heads != kv_heads),
+        q_BHSd, k_BGSd, v_BGSe, everything, grad_BHSe)
+    summed = [torch.zeros_like(t) for t in want_grads]
     pairs = set()
     for rank in range(cp):
         mine = local_positions(seq, cp, rank)
-        got = ContextParallel(None, cp, rank).attention(q_BHSd[:, :, mine], k_BGSd, v_BGSd)
+        got, *grads = _rank_attention_and_grads(
+            lambda q, k, v: ContextParallel(None, cp, rank).attention(q, k, v, scale),
+            q_BHSd, k_BGSd, v_BGSe, mine, grad_BHSe[:, :, mine])
         torch.testing.assert_close(got, want[:, :, mine], rtol=1e-12, atol=1e-12)
+        torch.testing.assert_close(grads[0][:, :, mine], want_grads[0][:, :, mine], rtol=1e-12,
+                                   atol=1e-12)
+        summed = [a + b for a, b in zip(summed, grads, strict=True)]
         pairs.add(sum(int(p) + 1 for p in mine))
+    for got, want_grad in zip(summed, want_grads, strict=True):
+        torch.testing.assert_close(got, want_grad, rtol=1e-12, atol=1e-12)
     assert len(pairs) == 1
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_chunk_attention_in_lower_precision_is_close_to_sdpa(dtype):
+    """float32 and bf16 (computed in float32 inside) stay within their precision of SDPA."""
+    torch.manual_seed(0)
+    q_BHSd, k_BGSd, v_BGSd = (torch.randn(1, 2, 64, 8).to(dtype) for _ in range(3))
+    mine = local_positions(64, 2, 0)
+    want = F.scaled_dot_product_attention(q_BHSd.double(), k_BGSd.double(), v_BGSd.double(),
+                                          is_causal=True)[:, :, mine]
+    got = ContextParallel(None, 2, 0).attention(q_BHSd[:, :, mine], k_BGSd, v_BGSd)
+    assert got.dtype == dtype
+    tol = 1e-5 if dtype == torch.float32 else 2e-2
+    torch.testing.assert_close(got.double(), want, rtol=tol, atol=tol)
+    if dtype == torch.bfloat16:      # autocast does not move the float32 inside down to bf16
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            autocast = ContextParallel(None, 2, 0).attention(q_BHSd[:, :, mine], k_BGSd, v_BGSd)
+        assert torch.equal(autocast, got)
+
+
+def test_chunk_attention_saves_nothing_quadratic():
+    """At 2,048 positions over cp 2 the attention of rank 0 saves q, k, v, the output and its
+    log-sum-exp: linear in S. A saved causal mask (what SDPA with a mask keeps on CPU) alone
+    would be (2cp+1) c^2 = 5 * 512^2 floats, 5.2 MB: the bound is far below it."""
+    seq, cp = 2048, 2
+    q_BHSd, k_BGSd, v_BGSd = (torch.randn(1, 2, seq, 8, requires_grad=True) for _ in range(3))
+    mine = local_positions(seq, cp, 0)
+    saved = {}
+
+    def pack(t):
+        saved[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        out = ContextParallel(None, cp, 0).attention(q_BHSd[:, :, mine], k_BGSd, v_BGSd)
+    # q's rows, k, v, the two chunks' outputs (each [1, 2, S or S/2, 8] float32), the two
+    # log-sum-exps and the rows' index: under five [1, 2, S, 8] tensors, 0.66 MB.
+    assert sum(saved.values()) <= 5 * seq * 2 * 8 * 4
+    out.sum().backward()                    # and the saved pieces are what backward needs
+    assert q_BHSd.grad is not None and k_BGSd.grad.abs().sum() > 0
 
 
 def test_dims_fold_cp_between_dp_and_tp():
