@@ -1,9 +1,9 @@
-"""Packed documents with padding (data.pack='documents', data.pad=true) in dp2 ep2, pp2, tp2 and
-tp2 ep2 layouts equal the single-process run in float64: losses (the mean over the global batch's
-counted tokens, whatever rank holds them), grad norms, aux losses, drops, validation losses and
-the updated parameters. Under tp, each part of the documents left out of the tp path (the mask
-in the sequence-parallel attention, the padding or the documents in the sequence-parallel
-router) makes the run differ from one process."""
+"""Packed documents with padding (data.pack='documents', data.pad=true) in dp2 ep2, pp2, tp2,
+tp2 ep2 and dp2 tp2 ep4 zero3 layouts equal the single-process run in float64: losses (the mean
+over the global batch's counted tokens, whatever rank holds them), grad norms, aux losses,
+drops, validation losses and the updated parameters. Under tp, each part of the documents left
+out of the tp path (the mask in the sequence-parallel attention, the padding or the documents
+in the sequence-parallel router) makes the run differ from one process."""
 
 import math
 
@@ -112,11 +112,14 @@ GLOBAL_BALANCE = ("--router.balance_loss=all_layers", "--router.balance_scope=gl
     pytest.param(["--parallel.tp=2"], MLA, id="tp2-mla"),
     # attention recompute passes the mask positionally into the sequence-parallel attention
     pytest.param(["--parallel.tp=2", "--train.recompute=attention"], (), id="tp2-recompute"),
-    pytest.param(["--parallel.tp=2", "--parallel.ep=2"], GLOBAL_BALANCE, id="tp2-ep2-global")])
+    pytest.param(["--parallel.tp=2", "--parallel.ep=2"], GLOBAL_BALANCE, id="tp2-ep2-global"),
+    pytest.param(["--parallel.dp=2", "--parallel.tp=2", "--parallel.ep=4", "--parallel.zero=3"],
+                 (), id="dp2-tp2-ep4-zero3")])
 def test_packed_layout_equals_one_process(worlds, tmp_path, data, references, layout, variant):
     ref, want = references(variant)
     run_dir = str(tmp_path / "run")
-    for got in worlds(2).run(case_train, run_dir, data, [*layout, *variant], timeout=120):
+    size = 4 if "--parallel.dp=2" in layout else 2    # dp is the world over the rest
+    for got in worlds(size).run(case_train, run_dir, data, [*layout, *variant], timeout=120):
         for step, (g_rec, w_rec) in enumerate(zip(got, want, strict=True), 1):
             for g, w in zip(g_rec, w_rec, strict=True):
                 assert math.isclose(g, w, rel_tol=1e-9, abs_tol=1e-12), (step, g_rec, w_rec)
