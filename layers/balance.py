@@ -38,8 +38,8 @@ from dataclasses import dataclass
 import torch
 
 __all__ = ["BALANCE_LOSSES", "BALANCE_SCOPES", "expert_counts", "switch_balance_loss",
-           "sequence_balance_loss", "document_balance_loss", "z_loss", "BalanceParts", "BalanceSlot", "MicroBalance",
-           "BalanceStep"]
+           "sequence_balance_loss", "document_balance_loss", "document_sums", "document_loss",
+           "document_loss_sum", "z_loss", "BalanceParts", "BalanceSlot", "MicroBalance", "BalanceStep"]
 
 BALANCE_LOSSES = ("per_layer", "all_layers")
 BALANCE_SCOPES = ("micro_batch", "global")
@@ -90,18 +90,36 @@ def document_balance_loss(probs_TE, experts_TK, doc_T, valid_T):
     (padding left out): sequence_balance_loss with documents for sequences. `doc_T`: each
     token's document number in [0, T) (layers/documents.py). Sums into [T, E] (T an upper bound
     on the documents), so no host sync."""
-    num_tokens, num_experts = probs_TE.shape
-    top_k = experts_TK.shape[1]
-    weight_T = valid_T.to(probs_TE.dtype)
+    sums = document_sums(probs_TE, experts_TK, doc_T, valid_T.to(probs_TE.dtype),
+                         probs_TE.shape[0])
+    return document_loss(*sums, experts_TK.shape[1])
+
+
+def document_sums(probs_TE, experts_TK, doc_T, weight_T, num_docs: int):
+    """(copies [D, E], probability sums [D, E], lengths [D]) of documents numbered below
+    `num_docs`, over the tokens of weight 1 (padding: 0). Sums: a document's over several calls
+    (tensor-parallel slices) add up."""
+    num_experts, top_k = probs_TE.shape[1], experts_TK.shape[1]
     slot_N = (doc_T[:, None] * num_experts + experts_TK).reshape(-1)
-    counts_DE = torch.zeros(num_tokens * num_experts, dtype=probs_TE.dtype, device=probs_TE.device)
-    counts_DE = counts_DE.scatter_add_(0, slot_N, weight_T.repeat_interleave(top_k))
-    counts_DE = counts_DE.view(num_tokens, num_experts)
-    prob_sum_DE = probs_TE.new_zeros(num_tokens, num_experts).index_add(
+    counts_DE = probs_TE.new_zeros(num_docs * num_experts).scatter_add_(
+        0, slot_N, weight_T.repeat_interleave(top_k)).view(num_docs, num_experts)
+    prob_sum_DE = probs_TE.new_zeros(num_docs, num_experts).index_add(
         0, doc_T, probs_TE * weight_T[:, None])
-    len_D = weight_T.new_zeros(num_tokens).index_add(0, doc_T, weight_T)
+    return counts_DE, prob_sum_DE, weight_T.new_zeros(num_docs).index_add(0, doc_T, weight_T)
+
+
+def document_loss(counts_DE, prob_sum_DE, len_D, top_k: int):
+    """The mean over documents of length > 0 of E * sum_e f_de * P_de, from document_sums."""
+    loss_sum, num_docs = document_loss_sum(counts_DE, prob_sum_DE, len_D, top_k)
+    return loss_sum / num_docs.clamp_min(1)
+
+
+def document_loss_sum(counts_DE, prob_sum_DE, len_D, top_k: int):
+    """(the sum over documents of E * sum_e f_de * P_de, how many have length > 0), from
+    document_sums: sums of disjoint sets of documents add up."""
+    num_experts = counts_DE.shape[1]
     loss_D = num_experts * (counts_DE * prob_sum_DE).sum(1) / (top_k * len_D.square().clamp_min(1))
-    return loss_D.sum() / (len_D > 0).sum().clamp_min(1)
+    return loss_D.sum(), (len_D > 0).sum().to(loss_D.dtype)
 
 
 def z_loss(logits_TE, valid_T=None):

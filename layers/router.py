@@ -266,7 +266,6 @@ class TopKRouter(RouterBase):
         weight_N = weights_TK.flatten()
         valid_N = None if valid_T is None else valid_T.repeat_interleave(self.top_k)
         if cfg.capacity_factor is not None:
-            # (the tp router's _keep takes no padding: data.pad is refused with tp > 1)
             packed = () if valid_N is None else (valid_N,)
             keep_N = self._keep(expert_N, weight_N.detach(), seq_len, *packed)
             expert_N = torch.where(keep_N, expert_N, self.num_experts)
@@ -328,7 +327,7 @@ class TopKRouter(RouterBase):
         counts_E = expert_counts(experts_TK, self.num_experts, valid_T=valid_T)
         if valid_T is not None:
             balance, seq_balance, z, parts = self._packed_loss_values(
-                probs_TE, experts_TK, logits_TE, counts_E, valid_T, doc_T)
+                probs_TE, experts_TK, logits_TE, counts_E, seq_len, valid_T, doc_T)
             dropped = ((expert_N == self.num_experts) & valid_T.repeat_interleave(self.top_k))
             assignments = valid_T.sum() * self.top_k
         else:
@@ -362,7 +361,8 @@ class TopKRouter(RouterBase):
             if self.deferred_balance else None
         return balance, seq_balance, z, parts
 
-    def _packed_loss_values(self, probs_TE, experts_TK, logits_TE, counts_E, valid_T, doc_T):
+    def _packed_loss_values(self, probs_TE, experts_TK, logits_TE, counts_E, seq_len: int,
+                            valid_T, doc_T):
         """_loss_values of packed documents: over real tokens, the sequence loss per document."""
         cfg = self.cfg
         balance = _logged_unless(self.call_balance_coeff, switch_balance_loss, probs_TE,

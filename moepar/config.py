@@ -430,9 +430,6 @@ class RunConfig:
         if self.parallel.backend == "nccl" and self.train.device == "cpu":
             raise ValueError("parallel.backend='nccl' with train.device='cpu': NCCL needs CUDA "
                              "tensors; use parallel.backend='gloo' (or auto)")
-        if self.data.pack != "none" and p.tp > 1:
-            raise ValueError(f"data.pack={self.data.pack!r} with parallel.tp={p.tp}: packed "
-                             "documents run with tp = 1 for now (dp, ep, pp and zero compose)")
         if self.data.pack != "none" and self.model.mtp_layers:
             raise ValueError(f"data.pack={self.data.pack!r} with model.mtp_layers="
                              f"{self.model.mtp_layers}: the MTP depths do not mask documents yet; "

@@ -17,6 +17,8 @@ the way in and reduce-scatter it on the way out:
 | loss (vocab.py)           | 2 all-reduces (per call)       | none                           |
 | MoE router (sequence_     | 1 all-reduce of loss sums; with| none                           |
 |   router.py)              | capacity, 1 all-gather of picks|                                |
+|                           | (packed documents: the same    |                                |
+|                           | calls, with documents' sums)   |                                |
 | after backward            | reduce_sequence_parallel_grads: 1 all-reduce (partial grads)    |
 
 | parameter                                     | on each tp rank                     | TPShard        |
@@ -268,10 +270,13 @@ _SHARDED_MODULES = (ColumnParallelLinear, RowParallelLinear, ShardedRMSNorm, Voc
 
 class SequenceParallelAttention(Attention):
     """Grouped-query attention on this rank's H/tp q heads and the kv heads they read (G/tp, or
-    one when G < tp): x_BsD in, x_BsD out (num_heads and num_kv_heads are the local counts)."""
+    one when G < tp): x_BsD in, x_BsD out (num_heads and num_kv_heads are the local counts).
+    Packed documents: `mask` [B, 1, S, S] and per-row cos/sin cover the whole sequence, which
+    attention sees gathered (no cache: training and evaluation only)."""
 
-    def forward(self, x_BsD, cos_SHd, sin_SHd):
-        y_BSD = self.local_forward(gather_sequence(x_BsD, self.tp_group), cos_SHd, sin_SHd)
+    def forward(self, x_BsD, cos_SHd, sin_SHd, cache=None, mask=None):
+        y_BSD = self.local_forward(gather_sequence(x_BsD, self.tp_group), cos_SHd, sin_SHd,
+                                   cache, mask)
         return scatter_sequence(y_BSD, self.tp_group)
 
     # The maths between the collectives (what parallel/compile.py compiles).
@@ -280,10 +285,11 @@ class SequenceParallelAttention(Attention):
 
 class SequenceParallelMLA(MLA):
     """Latent attention on this rank's heads (num_heads is local); the down-projections and their
-    norms are replicated and run on the gathered sequence."""
+    norms are replicated and run on the gathered sequence; a document `mask` covers it whole."""
 
-    def forward(self, x_BsD, cos_SR, sin_SR):
-        y_BSD = self.local_forward(gather_sequence(x_BsD, self.tp_group), cos_SR, sin_SR)
+    def forward(self, x_BsD, cos_SR, sin_SR, cache=None, mask=None):
+        y_BSD = self.local_forward(gather_sequence(x_BsD, self.tp_group), cos_SR, sin_SR, cache,
+                                   mask)
         return scatter_sequence(y_BSD, self.tp_group)
 
     local_forward = MLA.forward

@@ -86,7 +86,7 @@ def test_padded_windows_hold_whole_documents(folder):
     (["--data.pack=rows"], "data.pack='rows' is not one of"),
     (["--data.pad=true"], "data.pad=true needs data.pack='documents'"),
     (["--data.pack=documents", "--data.source=builtin"], "data.source='tokens' and data.path"),
-    (["--data.pack=documents", "--parallel.tp=2"], "parallel.tp=2"),
+    (["--data.pack=documents", "--parallel.cp=2"], "parallel.cp=2"),
     (["--data.pack=documents", "--data.pad=true", "--router.type=expert_choice",
       "--router.capacity_factor=1.0"], "router.type='expert_choice'"),
     (["--data.pack=documents", "--model.mtp_layers=1"], "the MTP depths do not mask documents"),
