@@ -29,8 +29,10 @@ def test_there_are_examples():
 
 
 def nproc_of(example: pathlib.Path) -> list[str]:
-    """An example that needs several processes says so in its usage line: `--nproc N`."""
-    found = re.search(r"--nproc (\d+)", example.read_text())
+    """An example that needs several processes says so in its first usage line: `--nproc N`
+    (a later line may show another layout with its own overrides, e.g. tiny_dsv3's ep4 run)."""
+    first = re.search(r"^#\s+moepar train .*$", example.read_text(), flags=re.M)
+    found = first and re.search(r"--nproc (\d+)", first.group(0))
     return ["--nproc", found.group(1)] if found else []
 
 
