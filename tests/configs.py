@@ -1,10 +1,12 @@
 """Tiny run configs shared by the tests: a 2-layer, 4-expert model that trains in a second."""
 
+import json
 import os
 import shlex
 
 import torch
 
+from moepar.checkpoint import load_checkpoint
 from moepar.config import load_config
 from moepar.data.prepare import PrepareOptions, prepare
 from moepar.layers import ModelConfig, RouterConfig, Transformer
@@ -81,3 +83,11 @@ def example_commands(example, run_dir, run_name: str, last_step: str) -> list[li
                       "--run.tensorboard=false", f"--run.dir={run_dir}"]   # not the config's
         out.append(words)
     return out
+
+
+def checkpoint_model(checkpoint) -> Transformer:
+    """The one-process model of a checkpoint folder, built from its state.json config and loaded."""
+    config = json.loads((checkpoint / "state.json").read_text())["config"]
+    model = Transformer(ModelConfig(**config["model"]), RouterConfig(**config["router"]))
+    load_checkpoint(str(checkpoint), model)
+    return model

@@ -12,11 +12,10 @@ import torch
 
 transformers = pytest.importorskip("transformers")
 
-from configs import example_commands  # noqa: E402
+from configs import checkpoint_model, example_commands  # noqa: E402
 from moepar.config import load_config  # noqa: E402
 from moepar.hf import ARCHS, ConversionError, moepar_to_hf  # noqa: E402
 from moepar.hf.arch import arch_problems, hf_config_dict, matching_archs  # noqa: E402
-from moepar.layers.model import ModelConfig  # noqa: E402
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 
@@ -31,9 +30,7 @@ def moepar(*args):
 def test_tiny_qwen3_example_exports_and_loads_in_transformers(tmp_path):
     """The commands in examples/tiny_qwen3.toml's header, run as written (a shorter run in a
     temporary folder); transformers' logits equal moepar's forward of the same checkpoint."""
-    from moepar.checkpoint import load_checkpoint
     from moepar.layers import Transformer
-    from moepar.layers.router import RouterConfig
     example = ROOT / "examples" / "tiny_qwen3.toml"
     run = tmp_path / "run"
     commands = example_commands(example, run, "tiny_qwen3", "step_200")
@@ -41,9 +38,7 @@ def test_tiny_qwen3_example_exports_and_loads_in_transformers(tmp_path):
     for words in commands:
         moepar(*words)
     checkpoint = run / "checkpoints" / "step_3"
-    config = json.loads((checkpoint / "state.json").read_text())["config"]
-    model = Transformer(ModelConfig(**config["model"]), RouterConfig(**config["router"]))
-    load_checkpoint(str(checkpoint), model)
+    model = checkpoint_model(checkpoint)
     exported = json.loads((run / "hf" / "config.json").read_text())
     assert exported["model_type"] == "qwen3_moe" and exported["head_dim"] == 32
     loaded = transformers.AutoModelForCausalLM.from_pretrained(run / "hf").eval()
@@ -51,7 +46,7 @@ def test_tiny_qwen3_example_exports_and_loads_in_transformers(tmp_path):
     with torch.no_grad():
         want, got = model.eval()(ids)[0], loaded(ids).logits
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
-    init = Transformer(ModelConfig(**config["model"]), RouterConfig(**config["router"]))
+    init = Transformer(model.cfg, model.router_cfg)
     assert not torch.allclose(init(ids)[0], want, atol=1e-3)   # the export is the trained model
 
 

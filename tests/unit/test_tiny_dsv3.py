@@ -14,14 +14,10 @@ from safetensors.torch import load_file
 
 transformers = pytest.importorskip("transformers")
 
-from configs import example_commands  # noqa: E402
-from moepar.checkpoint import load_checkpoint  # noqa: E402
+from configs import checkpoint_model, example_commands  # noqa: E402
 from moepar.cli import main as cli_main  # noqa: E402
 from moepar.config import load_config  # noqa: E402
 from moepar.hf.arch import matching_archs  # noqa: E402
-from moepar.layers import Transformer  # noqa: E402
-from moepar.layers.model import ModelConfig  # noqa: E402
-from moepar.layers.router import RouterConfig  # noqa: E402
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 EXAMPLE = ROOT / "examples" / "tiny_dsv3.toml"
@@ -57,9 +53,7 @@ def test_tiny_dsv3_trains_exports_and_opens_in_transformers(tmp_path):
     records = [json.loads(l) for l in (run / "metrics.jsonl").read_text().splitlines()]
     assert all(r["mtp_loss"] > 0 for r in records) and len(records) == 3
     checkpoint = run / "checkpoints" / "step_3"
-    config = json.loads((checkpoint / "state.json").read_text())["config"]
-    model = Transformer(ModelConfig(**config["model"]), RouterConfig(**config["router"]))
-    load_checkpoint(str(checkpoint), model)
+    model = checkpoint_model(checkpoint)
     exported = json.loads((run / "hf" / "config.json").read_text())
     assert exported["model_type"] == "deepseek_v3" and exported["num_nextn_predict_layers"] == 1
     hf = {}
